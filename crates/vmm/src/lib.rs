@@ -1,0 +1,19 @@
+//! tsubame's KVM micro-VM: one VM with guest memory, vCPUs running the
+//! multiboot test guest, a debug console on port 0xE9, pause/resume from
+//! another thread, full vCPU state save/restore and KVM's dirty log.
+//!
+//! The crate never decides policy (when to pause, what to send); the
+//! migration engine drives it.
+
+pub mod boot;
+pub mod devices;
+pub mod guest_elf;
+pub mod kvm;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
+
+pub use devices::ConsoleLine;
+pub use memory::{GuestMemory, PAGE_SIZE};
+pub use vcpu::{VcpuState, VcpuStatus};
+pub use vm::{Vm, VmConfig, VmError, VmState};

@@ -1,0 +1,345 @@
+//! A vCPU on its own thread: the KVM_RUN loop with port I/O, pause/resume
+//! from other threads (immediate_exit + a signal kick), and the full vCPU
+//! state for save/restore.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use kvm_bindings::{
+    kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
+};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::devices::{ConsoleLine, DebugConsole, UnknownPorts, DEBUG_CONSOLE_PORT};
+
+/// A failed vCPU ioctl, named.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// An ioctl on the vCPU failed.
+    #[error("{0} failed")]
+    Ioctl(&'static str, #[source] std::io::Error),
+    /// The vCPU thread is gone.
+    #[error("the vCPU thread has stopped")]
+    Gone,
+    /// The signal used to kick vCPUs could not be installed.
+    #[error("cannot install the vCPU kick signal handler")]
+    Signal(#[source] std::io::Error),
+    /// A state blob disagrees with this vCPU.
+    #[error("vCPU state does not fit this vCPU: {0}")]
+    BadState(&'static str),
+}
+
+fn ioctl_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+    move |e| VcpuError::Ioctl(what, std::io::Error::from_raw_os_error(e.errno()))
+}
+
+/// Everything KVM holds for one vCPU of our VMs (no in-kernel irqchip, so
+/// no LAPIC). Field order is the restore order.
+#[derive(Serialize, Deserialize)]
+pub struct VcpuState {
+    /// MSRs that KVM could read, TSC included.
+    pub msrs: Vec<kvm_msr_entry>,
+    /// General-purpose registers.
+    pub regs: kvm_regs,
+    /// Segment, control and descriptor-table registers.
+    pub sregs: kvm_sregs,
+    /// FPU/SSE/AVX state.
+    pub xsave: kvm_xsave,
+    /// Extended control registers (XCR0).
+    pub xcrs: kvm_xcrs,
+    /// Debug registers.
+    pub debugregs: kvm_debugregs,
+    /// Multiprocessing state (runnable or halted).
+    pub mp_state: kvm_mp_state,
+    /// Pending exceptions, interrupts, NMIs.
+    pub events: kvm_vcpu_events,
+}
+
+impl Clone for VcpuState {
+    fn clone(&self) -> Self {
+        VcpuState {
+            msrs: self.msrs.clone(),
+            regs: self.regs,
+            sregs: self.sregs,
+            // kvm_xsave is not Clone (it ends in a flexible array, unused
+            // for the legacy 4 KiB area we save).
+            xsave: kvm_xsave { region: self.xsave.region, ..Default::default() },
+            xcrs: self.xcrs,
+            debugregs: self.debugregs,
+            mp_state: self.mp_state,
+            events: self.events,
+        }
+    }
+}
+
+impl VcpuState {
+    /// Value of an MSR in the saved state.
+    pub fn msr(&self, index: u32) -> Option<u64> {
+        self.msrs.iter().find(|m| m.index == index).map(|m| m.data)
+    }
+}
+
+/// MSR_IA32_TSC.
+pub const MSR_IA32_TSC: u32 = 0x10;
+
+/// Reads the whole state of a vCPU that is not running.
+pub(crate) fn save_state(fd: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, VcpuError> {
+    let entries: Vec<kvm_msr_entry> =
+        msr_indices.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
+    let mut msrs = Msrs::from_entries(&entries).map_err(|_| VcpuError::BadState("too many MSRs"))?;
+    let read = fd.get_msrs(&mut msrs).map_err(ioctl_err("KVM_GET_MSRS"))?;
+    if read != entries.len() {
+        return Err(VcpuError::BadState("KVM_GET_MSRS read fewer MSRs than probed"));
+    }
+    Ok(VcpuState {
+        msrs: msrs.as_slice().to_vec(),
+        regs: fd.get_regs().map_err(ioctl_err("KVM_GET_REGS"))?,
+        sregs: fd.get_sregs().map_err(ioctl_err("KVM_GET_SREGS"))?,
+        xsave: fd.get_xsave().map_err(ioctl_err("KVM_GET_XSAVE"))?,
+        xcrs: fd.get_xcrs().map_err(ioctl_err("KVM_GET_XCRS"))?,
+        debugregs: fd.get_debug_regs().map_err(ioctl_err("KVM_GET_DEBUGREGS"))?,
+        mp_state: fd.get_mp_state().map_err(ioctl_err("KVM_GET_MP_STATE"))?,
+        events: fd.get_vcpu_events().map_err(ioctl_err("KVM_GET_VCPU_EVENTS"))?,
+    })
+}
+
+/// Writes a saved state into a vCPU that is not running.
+pub(crate) fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuError> {
+    let msrs = Msrs::from_entries(&state.msrs).map_err(|_| VcpuError::BadState("too many MSRs"))?;
+    let written = fd.set_msrs(&msrs).map_err(ioctl_err("KVM_SET_MSRS"))?;
+    if written != state.msrs.len() {
+        return Err(VcpuError::BadState("an MSR was refused by KVM_SET_MSRS"));
+    }
+    fd.set_regs(&state.regs).map_err(ioctl_err("KVM_SET_REGS"))?;
+    fd.set_sregs(&state.sregs).map_err(ioctl_err("KVM_SET_SREGS"))?;
+    // SAFETY: `kvm_xsave` is the legacy 4 KiB area that KVM_SET_XSAVE reads;
+    // it was filled by KVM_GET_XSAVE of the same size.
+    unsafe { fd.set_xsave(&state.xsave) }.map_err(ioctl_err("KVM_SET_XSAVE"))?;
+    fd.set_xcrs(&state.xcrs).map_err(ioctl_err("KVM_SET_XCRS"))?;
+    fd.set_debug_regs(&state.debugregs).map_err(ioctl_err("KVM_SET_DEBUGREGS"))?;
+    fd.set_mp_state(state.mp_state).map_err(ioctl_err("KVM_SET_MP_STATE"))?;
+    fd.set_vcpu_events(&state.events).map_err(ioctl_err("KVM_SET_VCPU_EVENTS"))?;
+    Ok(())
+}
+
+/// Where a vCPU thread is, as its owner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuStatus {
+    /// Created, never run.
+    Created,
+    /// In or around KVM_RUN.
+    Running,
+    /// Stopped on request; serves state requests.
+    Paused,
+    /// The guest halted (it finished, failed, or took an exception).
+    Halted,
+    /// KVM reported an error the guest cannot continue from.
+    Failed(String),
+    /// The thread has ended.
+    Stopped,
+}
+
+impl VcpuStatus {
+    /// True when the vCPU is not executing guest code.
+    pub fn is_stopped(&self) -> bool {
+        !matches!(self, VcpuStatus::Running)
+    }
+}
+
+/// What the owner and the vCPU thread share.
+pub(crate) struct VcpuShared {
+    pub status: Mutex<VcpuStatus>,
+    pub changed: Condvar,
+    pub wants_pause: AtomicBool,
+}
+
+impl VcpuShared {
+    pub fn new() -> Self {
+        VcpuShared {
+            status: Mutex::new(VcpuStatus::Created),
+            changed: Condvar::new(),
+            wants_pause: AtomicBool::new(true),
+        }
+    }
+
+    fn set(&self, status: VcpuStatus) {
+        *self.status.lock().unwrap() = status;
+        self.changed.notify_all();
+    }
+
+    /// Current status.
+    pub fn get(&self) -> VcpuStatus {
+        self.status.lock().unwrap().clone()
+    }
+
+    /// Waits until `done` holds for the status, or the timeout passes.
+    pub fn wait_for(&self, timeout: std::time::Duration, done: impl Fn(&VcpuStatus) -> bool) -> VcpuStatus {
+        let guard = self.status.lock().unwrap();
+        let (guard, _) = self.changed.wait_timeout_while(guard, timeout, |s| !done(s)).unwrap();
+        guard.clone()
+    }
+}
+
+/// Requests to a vCPU thread that is not running guest code.
+pub(crate) enum VcpuRequest {
+    Resume,
+    Save(Sender<Result<VcpuState, VcpuError>>),
+    Restore(Box<VcpuState>, Sender<Result<(), VcpuError>>),
+    Stop,
+}
+
+thread_local! {
+    /// The running vCPU's `kvm_run.immediate_exit`, for the kick handler.
+    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let ptr = IMMEDIATE_EXIT.with(|p| p.get());
+    if !ptr.is_null() {
+        // SAFETY: the pointer is this thread's own kvm_run mapping, set by
+        // the vCPU thread before it first runs and valid until it exits.
+        unsafe { std::ptr::write_volatile(ptr, 1) };
+    }
+}
+
+/// The signal that kicks a vCPU out of KVM_RUN.
+pub(crate) fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+/// Installs the kick handler once per process.
+pub(crate) fn install_kick_handler() -> Result<(), VcpuError> {
+    static INSTALLED: std::sync::OnceLock<Result<(), i32>> = std::sync::OnceLock::new();
+    INSTALLED
+        .get_or_init(|| register_signal_handler(kick_signal(), kick_handler).map_err(|e| e.errno()))
+        .map_err(|errno| VcpuError::Signal(std::io::Error::from_raw_os_error(errno)))
+}
+
+/// Handle to a vCPU thread.
+pub(crate) struct VcpuThread {
+    pub requests: Sender<VcpuRequest>,
+    pub thread: Option<JoinHandle<()>>,
+}
+
+impl VcpuThread {
+    /// Makes the thread leave KVM_RUN soon.
+    pub fn kick(&self) {
+        if let Some(t) = &self.thread {
+            // An already finished thread cannot be kicked; that's fine.
+            let _ = t.kill(kick_signal());
+        }
+    }
+}
+
+/// State owned by the vCPU thread.
+pub(crate) struct VcpuRunner {
+    pub fd: VcpuFd,
+    pub msr_indices: Vec<u32>,
+    pub console: Sender<ConsoleLine>,
+    pub requests: Receiver<VcpuRequest>,
+    pub shared: Arc<VcpuShared>,
+}
+
+enum Flow {
+    Continue,
+    Stop(VcpuStatus),
+}
+
+impl VcpuRunner {
+    /// The thread body: wait for the first resume, then run until stopped.
+    pub fn run(mut self) {
+        let exit_flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
+        IMMEDIATE_EXIT.with(|p| p.set(exit_flag));
+        let mut console = DebugConsole::default();
+        let mut unknown = UnknownPorts::default();
+        let mut stop_status = Some(VcpuStatus::Paused);
+        loop {
+            if self.shared.wants_pause.load(Ordering::Acquire) && stop_status.is_none() {
+                stop_status = Some(VcpuStatus::Paused);
+            }
+            if let Some(status) = stop_status.take() {
+                if !self.serve_stopped(status) {
+                    break;
+                }
+                continue;
+            }
+            if let Flow::Stop(status) = self.run_once(&mut console, &mut unknown) {
+                stop_status = Some(status);
+            }
+        }
+        IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
+        self.shared.set(VcpuStatus::Stopped);
+    }
+
+    /// Serves requests while not running. Returns false when told to stop.
+    fn serve_stopped(&mut self, status: VcpuStatus) -> bool {
+        self.shared.set(status);
+        loop {
+            let Ok(req) = self.requests.recv() else { return false };
+            match req {
+                VcpuRequest::Resume => {
+                    self.shared.wants_pause.store(false, Ordering::Release);
+                    self.shared.set(VcpuStatus::Running);
+                    return true;
+                }
+                VcpuRequest::Save(reply) => {
+                    let _ = reply.send(save_state(&self.fd, &self.msr_indices));
+                }
+                VcpuRequest::Restore(state, reply) => {
+                    let _ = reply.send(restore_state(&self.fd, &state));
+                }
+                VcpuRequest::Stop => return false,
+            }
+        }
+    }
+
+    fn run_once(&mut self, console: &mut DebugConsole, unknown: &mut UnknownPorts) -> Flow {
+        let result = self.fd.run();
+        let flow = match result {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if port == DEBUG_CONSOLE_PORT {
+                    console.write(data, |line| {
+                        let _ = self.console.send(line);
+                    });
+                } else if unknown.first_access(port, true) {
+                    eprintln!("tsubame: guest wrote to unknown port {port:#x}; ignoring it");
+                }
+                Flow::Continue
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                data.fill(0xFF);
+                if unknown.first_access(port, false) {
+                    eprintln!("tsubame: guest read unknown port {port:#x}; returning 0xff");
+                }
+                Flow::Continue
+            }
+            Ok(VcpuExit::MmioRead(_, data)) => {
+                data.fill(0xFF);
+                Flow::Continue
+            }
+            Ok(VcpuExit::MmioWrite(..)) => Flow::Continue,
+            Ok(VcpuExit::Hlt) => Flow::Stop(VcpuStatus::Halted),
+            Ok(VcpuExit::Shutdown) => {
+                Flow::Stop(VcpuStatus::Failed("the guest triple-faulted (KVM_EXIT_SHUTDOWN)".into()))
+            }
+            Ok(VcpuExit::FailEntry(reason, _)) => {
+                Flow::Stop(VcpuStatus::Failed(format!("KVM could not enter the guest (reason {reason:#x})")))
+            }
+            Ok(VcpuExit::InternalError) => {
+                Flow::Stop(VcpuStatus::Failed("KVM internal error (an instruction the host cannot emulate?)".into()))
+            }
+            Ok(other) => Flow::Stop(VcpuStatus::Failed(format!("unexpected KVM exit: {other:?}"))),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Flow::Continue,
+            Err(e) => Flow::Stop(VcpuStatus::Failed(format!("KVM_RUN failed: {e}"))),
+        };
+        // A kick sets immediate_exit; clear it before the loop looks at
+        // wants_pause, so a kick after this point still stops the next run.
+        self.fd.set_kvm_immediate_exit(0);
+        flow
+    }
+}

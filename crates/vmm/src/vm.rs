@@ -1,0 +1,355 @@
+//! One VM: KVM VM fd, guest memory in slot 0, one vCPU on its thread, and
+//! the operations the CLI and the migration engine need.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Receiver};
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use crate::boot::{self, BootError};
+use crate::devices::ConsoleLine;
+use crate::kvm::{self, KvmError};
+use crate::memory::{self, GuestMemory, MemoryError};
+use crate::vcpu::{
+    install_kick_handler, restore_state, save_state, VcpuError, VcpuRequest, VcpuRunner, VcpuShared, VcpuState,
+    VcpuStatus, VcpuThread,
+};
+
+/// How long pause waits for a vCPU before calling it stuck.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Errors of VM operations.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// KVM itself is not usable.
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    /// Guest memory.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// Loading the guest image.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// A vCPU operation.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// A VM-level ioctl.
+    #[error("{0} failed")]
+    Ioctl(&'static str, #[source] std::io::Error),
+    /// The operation needs another run state.
+    #[error("the VM is {0}")]
+    WrongState(&'static str),
+    /// The vCPU did not stop in time.
+    #[error("the vCPU did not pause within {PAUSE_TIMEOUT:?}")]
+    PauseTimeout,
+    /// A thread could not be started.
+    #[error("cannot start the vCPU thread")]
+    Thread(#[source] std::io::Error),
+    /// A saved state from a VM of another shape.
+    #[error("saved state does not fit this VM: {0}")]
+    StateMismatch(String),
+}
+
+fn ioctl_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |e| VmError::Ioctl(what, std::io::Error::from_raw_os_error(e.errno()))
+}
+
+/// What a VM is made of.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Guest memory in bytes.
+    pub memory_bytes: u64,
+    /// Ask for transparent huge pages behind guest memory.
+    pub hugepages: bool,
+}
+
+/// The whole migratable state of a VM apart from its memory.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct VmState {
+    /// Guest memory size the state belongs to.
+    pub memory_bytes: u64,
+    /// TSC frequency the guest was calibrated for.
+    pub tsc_khz: u32,
+    /// One entry per vCPU.
+    pub vcpus: Vec<VcpuState>,
+}
+
+enum VcpuSlot {
+    NotStarted(Box<VcpuFd>),
+    Started(VcpuThread),
+    Empty,
+}
+
+/// A VM with one vCPU. Dropping it stops the vCPU thread.
+pub struct Vm {
+    _kvm: Kvm,
+    fd: VmFd,
+    memory: Arc<GuestMemory>,
+    vcpu: VcpuSlot,
+    shared: Arc<VcpuShared>,
+    msr_indices: Vec<u32>,
+    console: Option<Receiver<ConsoleLine>>,
+    console_tx: crossbeam_channel::Sender<ConsoleLine>,
+    tsc_khz: u32,
+    dirty_logging: bool,
+}
+
+/// Probes which MSRs this KVM lets us read, one by one.
+fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, VmError> {
+    let list = kvm.get_msr_index_list().map_err(ioctl_err("KVM_GET_MSR_INDEX_LIST"))?;
+    let mut readable = Vec::new();
+    for &index in list.as_slice() {
+        let entry = [kvm_bindings::kvm_msr_entry { index, ..Default::default() }];
+        let mut msrs = kvm_bindings::Msrs::from_entries(&entry).expect("one entry fits");
+        if vcpu.get_msrs(&mut msrs) == Ok(1) {
+            readable.push(index);
+        }
+    }
+    Ok(readable)
+}
+
+impl Vm {
+    /// Creates the VM, its memory and its vCPU; nothing runs yet.
+    pub fn create(config: &VmConfig) -> Result<Vm, VmError> {
+        let kvm = kvm::open()?;
+        let fd = kvm.create_vm().map_err(ioctl_err("KVM_CREATE_VM"))?;
+        let memory = Arc::new(memory::create(config.memory_bytes, config.hugepages)?);
+        let vm_fd = fd;
+        let mut vm_slots = Vec::new();
+        for (slot, region) in memory.iter().enumerate() {
+            vm_slots.push(kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: memory::host_address(&memory, region.start_addr().0) as u64,
+            });
+        }
+        for region in &vm_slots {
+            // SAFETY: the host range is a live mapping owned by `memory`,
+            // which the Vm keeps alive for as long as `vm_fd` exists.
+            unsafe { vm_fd.set_user_memory_region(*region) }.map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+        let vcpu = vm_fd.create_vcpu(0).map_err(ioctl_err("KVM_CREATE_VCPU"))?;
+        let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(ioctl_err("KVM_GET_SUPPORTED_CPUID"))?;
+        vcpu.set_cpuid2(&cpuid).map_err(ioctl_err("KVM_SET_CPUID2"))?;
+        let tsc_khz = vcpu.get_tsc_khz().map_err(ioctl_err("KVM_GET_TSC_KHZ"))?;
+        let msr_indices = readable_msrs(&kvm, &vcpu)?;
+        install_kick_handler()?;
+        let (console_tx, console_rx) = unbounded();
+        Ok(Vm {
+            _kvm: kvm,
+            fd: vm_fd,
+            memory,
+            vcpu: VcpuSlot::NotStarted(Box::new(vcpu)),
+            shared: Arc::new(VcpuShared::new()),
+            msr_indices,
+            console: Some(console_rx),
+            console_tx,
+            tsc_khz,
+            dirty_logging: false,
+        })
+    }
+
+    /// Guest memory, shared with whoever copies it.
+    pub fn memory(&self) -> &Arc<GuestMemory> {
+        &self.memory
+    }
+
+    /// Guest memory size in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        memory::size(&self.memory)
+    }
+
+    /// The vCPU's TSC frequency in kHz (what the guest needs as tsc_khz=).
+    pub fn tsc_khz(&self) -> u32 {
+        self.tsc_khz
+    }
+
+    /// Takes the console's line receiver (once).
+    pub fn take_console(&mut self) -> Option<Receiver<ConsoleLine>> {
+        self.console.take()
+    }
+
+    /// Loads a multiboot image and points the (not yet started) vCPU at it.
+    pub fn load_guest(&mut self, image: &[u8], cmdline: &str) -> Result<(), VmError> {
+        let VcpuSlot::NotStarted(vcpu) = &self.vcpu else {
+            return Err(VmError::WrongState("already started"));
+        };
+        let entry = boot::load_multiboot(&self.memory, image, cmdline)?;
+        vcpu.set_sregs(&entry.sregs).map_err(ioctl_err("KVM_SET_SREGS"))?;
+        vcpu.set_regs(&entry.regs).map_err(ioctl_err("KVM_SET_REGS"))?;
+        Ok(())
+    }
+
+    /// Starts the vCPU thread; the guest runs unless `paused`.
+    pub fn start(&mut self, paused: bool) -> Result<(), VmError> {
+        let VcpuSlot::NotStarted(fd) = std::mem::replace(&mut self.vcpu, VcpuSlot::Empty) else {
+            return Err(VmError::WrongState("already started"));
+        };
+        let (req_tx, req_rx) = unbounded();
+        let runner = VcpuRunner {
+            fd: *fd,
+            msr_indices: self.msr_indices.clone(),
+            console: self.console_tx.clone(),
+            requests: req_rx,
+            shared: self.shared.clone(),
+        };
+        let thread =
+            std::thread::Builder::new().name("vcpu0".into()).spawn(move || runner.run()).map_err(VmError::Thread)?;
+        self.vcpu = VcpuSlot::Started(VcpuThread { requests: req_tx, thread: Some(thread) });
+        self.shared.wait_for(PAUSE_TIMEOUT, |s| *s != VcpuStatus::Created);
+        if !paused {
+            self.resume()?;
+        }
+        Ok(())
+    }
+
+    fn thread(&self) -> Result<&VcpuThread, VmError> {
+        match &self.vcpu {
+            VcpuSlot::Started(t) => Ok(t),
+            _ => Err(VmError::WrongState("not started")),
+        }
+    }
+
+    /// The vCPU's run state.
+    pub fn status(&self) -> VcpuStatus {
+        self.shared.get()
+    }
+
+    /// Waits up to `timeout` for the vCPU to leave the Running state.
+    pub fn wait_stopped(&self, timeout: Duration) -> VcpuStatus {
+        self.shared.wait_for(timeout, |s| s.is_stopped())
+    }
+
+    /// Stops guest execution; returns once the vCPU is out of KVM_RUN.
+    pub fn pause(&self) -> Result<(), VmError> {
+        let thread = self.thread()?;
+        self.shared.wants_pause.store(true, std::sync::atomic::Ordering::Release);
+        thread.kick();
+        let status = self.shared.wait_for(PAUSE_TIMEOUT, |s| s.is_stopped());
+        if status.is_stopped() {
+            Ok(())
+        } else {
+            Err(VmError::PauseTimeout)
+        }
+    }
+
+    /// Lets the guest run again.
+    pub fn resume(&self) -> Result<(), VmError> {
+        let thread = self.thread()?;
+        if !self.shared.get().is_stopped() {
+            return Ok(());
+        }
+        thread.requests.send(VcpuRequest::Resume).map_err(|_| VcpuError::Gone)?;
+        self.shared.wait_for(PAUSE_TIMEOUT, |s| !s.is_stopped());
+        Ok(())
+    }
+
+    /// Captures vCPU state; the VM must be paused (or never started).
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let vcpu = match &self.vcpu {
+            VcpuSlot::NotStarted(fd) => save_state(fd, &self.msr_indices)?,
+            VcpuSlot::Started(t) => {
+                if !self.shared.get().is_stopped() {
+                    return Err(VmError::WrongState("running; pause it first"));
+                }
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                t.requests.send(VcpuRequest::Save(tx)).map_err(|_| VcpuError::Gone)?;
+                rx.recv().map_err(|_| VcpuError::Gone)??
+            }
+            VcpuSlot::Empty => return Err(VmError::WrongState("being started")),
+        };
+        Ok(VmState { memory_bytes: self.memory_bytes(), tsc_khz: self.tsc_khz, vcpus: vec![vcpu] })
+    }
+
+    /// Loads a saved vCPU state; the VM must be paused or not started.
+    pub fn restore_state(&mut self, state: &VmState) -> Result<(), VmError> {
+        if state.memory_bytes != self.memory_bytes() {
+            return Err(VmError::StateMismatch(format!(
+                "state is for {} bytes of memory, this VM has {}",
+                state.memory_bytes,
+                self.memory_bytes()
+            )));
+        }
+        let [vcpu_state] = state.vcpus.as_slice() else {
+            return Err(VmError::StateMismatch(format!("state has {} vCPUs, this VM has 1", state.vcpus.len())));
+        };
+        match &self.vcpu {
+            VcpuSlot::NotStarted(fd) => {
+                if state.tsc_khz != self.tsc_khz {
+                    fd.set_tsc_khz(state.tsc_khz).map_err(ioctl_err("KVM_SET_TSC_KHZ"))?;
+                    self.tsc_khz = state.tsc_khz;
+                }
+                restore_state(fd, vcpu_state)?
+            }
+            VcpuSlot::Started(t) => {
+                if !self.shared.get().is_stopped() {
+                    return Err(VmError::WrongState("running; pause it first"));
+                }
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                t.requests.send(VcpuRequest::Restore(Box::new(vcpu_state.clone()), tx)).map_err(|_| VcpuError::Gone)?;
+                rx.recv().map_err(|_| VcpuError::Gone)??
+            }
+            VcpuSlot::Empty => return Err(VmError::WrongState("being started")),
+        }
+        Ok(())
+    }
+
+    /// Turns KVM's dirty page logging on or off for all of guest memory.
+    pub fn set_dirty_logging(&mut self, on: bool) -> Result<(), VmError> {
+        for (slot, region) in self.memory.iter().enumerate() {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: memory::host_address(&self.memory, region.start_addr().0) as u64,
+            };
+            // SAFETY: same mapping as registered at creation, still owned
+            // by `self.memory`; only the flags change.
+            unsafe { self.fd.set_user_memory_region(r) }.map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+        self.dirty_logging = on;
+        Ok(())
+    }
+
+    /// Fetches and clears KVM's dirty bitmap (one bit per page, LSB first).
+    pub fn dirty_log(&self) -> Result<Vec<u64>, VmError> {
+        if !self.dirty_logging {
+            return Err(VmError::WrongState("not logging dirty pages"));
+        }
+        self.fd.get_dirty_log(0, self.memory_bytes() as usize).map_err(ioctl_err("KVM_GET_DIRTY_LOG"))
+    }
+
+    /// Stops the vCPU thread for good.
+    pub fn shutdown(&mut self) {
+        if let VcpuSlot::Started(t) = &mut self.vcpu {
+            self.shared.wants_pause.store(true, std::sync::atomic::Ordering::Release);
+            t.kick();
+            let _ = t.requests.send(VcpuRequest::Stop);
+            // The thread may be in KVM_RUN: keep kicking until it leaves.
+            while !self
+                .shared
+                .wait_for(Duration::from_millis(50), |s| *s == VcpuStatus::Stopped)
+                .eq(&VcpuStatus::Stopped)
+            {
+                t.kick();
+            }
+            if let Some(handle) = t.thread.take() {
+                let _ = handle.join();
+            }
+        }
+        self.vcpu = VcpuSlot::Empty;
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,91 @@
+/* The guest's workloads and what they share: config, arena, progress. */
+#ifndef TSUBAME_WORKLOAD_H
+#define TSUBAME_WORKLOAD_H
+#include "guest.h"
+
+struct config {
+    const char *workload;
+    u64 wss;      /* bytes; 0 = the workload's default */
+    u64 rate_mbs; /* MB/s of bytes written; 0 = uncapped */
+    u64 seed;
+    u64 tsc_khz;
+};
+
+/* The memory the workloads may use: the largest RAM region past the image. */
+struct arena {
+    u8 *base;
+    u64 size;
+};
+
+/* Progress lines (`tsb ops=N pass=N`) every ~50 ms of TSC time. */
+struct progress {
+    u64 ops, pass;
+    u64 next_tsc, interval_tsc;
+};
+
+/* Caps the rate of bytes written at rate_mbs. */
+struct throttle {
+    double tsc_per_byte; /* 0 = uncapped */
+    u64 start_tsc;
+    u64 bytes;
+};
+
+struct run {
+    struct config cfg;
+    struct arena arena;
+    u64 wss;
+    struct progress progress;
+    struct throttle throttle;
+    u64 rng;
+};
+
+void progress_emit(struct progress *p);
+static inline void progress_tick(struct progress *p)
+{
+    if (rdtsc() >= p->next_tsc)
+        progress_emit(p);
+}
+
+void throttle_wait(struct throttle *t);
+static inline void throttle_account(struct throttle *t, u64 bytes)
+{
+    t->bytes += bytes;
+    if (t->tsc_per_byte != 0)
+        throttle_wait(t);
+}
+
+/* splitmix64: tiny, fast, and good enough to make memory contents. */
+static inline u64 rng_next(u64 *s)
+{
+    u64 z = (*s += 0x9E3779B97F4A7C15UL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9UL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBUL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, n) without a division (Lemire). */
+static inline u64 rng_below(u64 *s, u64 n)
+{
+    return (u64)(((unsigned __int128)rng_next(s) * n) >> 64);
+}
+
+/* A uniform double in [0, 1). */
+static inline double rng_unit(u64 *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+__attribute__((noreturn)) void guest_fail(const char *msg, const char *detail);
+void wait_forever(void) __attribute__((noreturn));
+
+double guest_log(double x);
+double guest_exp(double x);
+double guest_pow(double x, double y);
+
+void workload_idle(struct run *r);
+void workload_fill_zero(struct run *r);
+void workload_fill_random(struct run *r);
+void workload_bwmem(struct run *r);
+void workload_sparse(struct run *r);
+void workload_zero_clear(struct run *r);
+void workload_stream(struct run *r);
+void workload_kv(struct run *r);
+
+#endif
