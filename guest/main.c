@@ -20,6 +20,7 @@ static const struct workload_def workloads[] = {
     {"sparse", workload_sparse, 256 * MIB},
     {"zero-clear", workload_zero_clear, 256 * MIB},
     {"stream", workload_stream, 256 * MIB},
+    {"crash", workload_crash, 0},
 };
 #define NWORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 
@@ -50,7 +51,8 @@ void wait_forever(void)
         cpu_relax();
 }
 
-void guest_fail(const char *msg, const char *detail)
+/* "tsubame-guest: error: MSG 'DETAIL' (HINT)", then stop. */
+__attribute__((noreturn)) static void fail_with_hint(const char *msg, const char *detail, const char *hint)
 {
     struct line l = {.len = 0};
     line_str(&l, "tsubame-guest: error: ");
@@ -60,9 +62,16 @@ void guest_fail(const char *msg, const char *detail)
         line_str(&l, detail);
         line_str(&l, "'");
     }
+    if (hint) {
+        line_str(&l, " (");
+        line_str(&l, hint);
+        line_str(&l, ")");
+    }
     line_flush(&l);
     wait_forever();
 }
+
+void guest_fail(const char *msg, const char *detail) { fail_with_hint(msg, detail, 0); }
 
 /* "512M", "2G", "4096", "64K": binary multiples. */
 static u64 parse_size(const char *s, size_t n, int allow_suffix)
@@ -126,8 +135,8 @@ static void parse_cmdline(const char *cmd, struct config *cfg)
                 if (str_eq(val, vlen, workloads[i].name))
                     cfg->workload = workloads[i].name;
             if (!cfg->workload)
-                guest_fail("unknown workload (idle fill-zero fill-random kv bwmem sparse zero-clear stream)",
-                           copy_token(val, vlen));
+                fail_with_hint("unknown workload", copy_token(val, vlen),
+                               "known: idle fill-zero fill-random kv bwmem sparse zero-clear stream crash");
         } else if (str_eq(tok, eq, "wss")) {
             cfg->wss = parse_size(val, vlen, 1);
             if (cfg->wss < PAGE_SIZE)
@@ -141,7 +150,7 @@ static void parse_cmdline(const char *cmd, struct config *cfg)
             if (cfg->tsc_khz == 0)
                 guest_fail("tsc_khz must be positive", 0);
         } else {
-            guest_fail("unknown parameter (known: workload wss rate seed tsc_khz)", copy_token(tok, eq));
+            fail_with_hint("unknown parameter", copy_token(tok, eq), "known: workload wss rate seed tsc_khz");
         }
     }
 }

@@ -87,5 +87,6 @@ void workload_sparse(struct run *r);
 void workload_zero_clear(struct run *r);
 void workload_stream(struct run *r);
 void workload_kv(struct run *r);
+void workload_crash(struct run *r);
 
 #endif

@@ -161,3 +161,10 @@ void workload_stream(struct run *r)
         r->progress.pass++;
     }
 }
+
+/* For tests of the exception path: a write far beyond mapped memory. */
+void workload_crash(struct run *r)
+{
+    (void)r;
+    *(volatile u64 *)(100 * GIB) = 1;
+}

@@ -98,18 +98,19 @@ pub struct Vm {
     dirty_logging: bool,
 }
 
-/// Probes which MSRs this KVM lets us read, one by one.
-fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, VmError> {
+/// Probes, one by one, which MSRs this KVM lets us both read and write
+/// back: those are the ones a saved state can carry.
+fn migratable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, VmError> {
     let list = kvm.get_msr_index_list().map_err(ioctl_err("KVM_GET_MSR_INDEX_LIST"))?;
-    let mut readable = Vec::new();
+    let mut migratable = Vec::new();
     for &index in list.as_slice() {
         let entry = [kvm_bindings::kvm_msr_entry { index, ..Default::default() }];
         let mut msrs = kvm_bindings::Msrs::from_entries(&entry).expect("one entry fits");
-        if vcpu.get_msrs(&mut msrs) == Ok(1) {
-            readable.push(index);
+        if vcpu.get_msrs(&mut msrs) == Ok(1) && vcpu.set_msrs(&msrs) == Ok(1) {
+            migratable.push(index);
         }
     }
-    Ok(readable)
+    Ok(migratable)
 }
 
 impl Vm {
@@ -138,7 +139,7 @@ impl Vm {
         let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(ioctl_err("KVM_GET_SUPPORTED_CPUID"))?;
         vcpu.set_cpuid2(&cpuid).map_err(ioctl_err("KVM_SET_CPUID2"))?;
         let tsc_khz = vcpu.get_tsc_khz().map_err(ioctl_err("KVM_GET_TSC_KHZ"))?;
-        let msr_indices = readable_msrs(&kvm, &vcpu)?;
+        let msr_indices = migratable_msrs(&kvm, &vcpu)?;
         install_kick_handler()?;
         let (console_tx, console_rx) = unbounded();
         Ok(Vm {

@@ -1,0 +1,149 @@
+//! Tests that boot the guest under real KVM. They run whenever /dev/kvm
+//! exists; with TSUBAME_REQUIRE_KVM=1 (set by .ci/run) a missing /dev/kvm
+//! fails them instead of skipping.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use tsubame_vmm::{guest_elf::GUEST_ELF, memory, ConsoleLine, VcpuStatus, Vm, VmConfig};
+
+fn kvm_or_skip() -> bool {
+    if std::path::Path::new("/dev/kvm").exists() {
+        return true;
+    }
+    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
+    eprintln!("skipped: no /dev/kvm");
+    false
+}
+
+fn boot(memory_bytes: u64, args: &str) -> (Vm, Receiver<ConsoleLine>) {
+    let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: false }).expect("create VM");
+    let cmdline = format!("{args} tsc_khz={}", vm.tsc_khz());
+    vm.load_guest(GUEST_ELF, &cmdline).expect("load guest");
+    let console = vm.take_console().unwrap();
+    vm.start(false).expect("start");
+    (vm, console)
+}
+
+/// Parses `tsb ops=N pass=M`.
+fn ops_of(line: &str) -> Option<u64> {
+    line.strip_prefix("tsb ops=")?.split(' ').next()?.parse().ok()
+}
+
+/// Collects console lines for `span`; panics on guest errors.
+fn collect(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<String> {
+    let end = Instant::now() + span;
+    let mut lines = Vec::new();
+    while let Ok(l) = console.recv_deadline(end) {
+        assert!(!l.text.starts_with("tsubame-guest: error") && !l.text.contains("exception"), "guest: {}", l.text);
+        lines.push(l.text);
+    }
+    lines
+}
+
+fn ops(lines: &[String]) -> Vec<u64> {
+    lines.iter().filter_map(|l| ops_of(l)).collect()
+}
+
+#[test]
+fn every_workload_makes_progress() {
+    if !kvm_or_skip() {
+        return;
+    }
+    for workload in ["idle", "fill-zero", "fill-random", "kv", "bwmem", "sparse", "zero-clear", "stream"] {
+        let wss = if workload.starts_with("fill") { "" } else { "wss=32M" };
+        let (_vm, console) = boot(128 << 20, &format!("workload={workload} {wss}"));
+        let ops = ops(&collect(&console, Duration::from_secs(2)));
+        assert!(ops.len() >= 10, "{workload}: only {} progress lines in 2 s", ops.len());
+        assert!(ops.windows(2).all(|w| w[0] <= w[1]), "{workload}: ops went backwards: {ops:?}");
+        assert!(ops.last() > ops.first(), "{workload}: ops did not rise: {ops:?}");
+    }
+}
+
+#[test]
+fn bad_workload_is_reported_and_halts() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (vm, console) = boot(64 << 20, "workload=nope");
+    let line = console.recv_timeout(Duration::from_secs(5)).expect("an error line");
+    assert!(line.text.starts_with("tsubame-guest: error: unknown workload 'nope' (known: idle"), "{}", line.text);
+    assert_eq!(vm.wait_stopped(Duration::from_secs(5)), VcpuStatus::Halted);
+}
+
+#[test]
+fn guest_exception_reports_vector_and_rip() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (vm, console) = boot(64 << 20, "workload=crash");
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut found = None;
+    while let Ok(l) = console.recv_deadline(end) {
+        if l.text.contains("exception") {
+            found = Some(l.text);
+            break;
+        }
+    }
+    let line = found.expect("an exception line");
+    assert!(line.contains("vector=14") && line.contains("rip=0x"), "{line}");
+    assert_eq!(vm.wait_stopped(Duration::from_secs(5)), VcpuStatus::Halted);
+}
+
+#[test]
+fn pause_stops_progress_and_resume_restarts_it() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (vm, console) = boot(64 << 20, "workload=sparse wss=16M");
+    let before = ops(&collect(&console, Duration::from_millis(500)));
+    vm.pause().unwrap();
+    let while_paused = collect(&console, Duration::from_millis(500));
+    assert!(while_paused.len() <= 1, "guest printed while paused: {while_paused:?}");
+    vm.resume().unwrap();
+    let after = ops(&collect(&console, Duration::from_millis(500)));
+    assert!(after.first() > before.last(), "{before:?} then {after:?}");
+}
+
+#[test]
+fn saved_state_continues_in_a_fresh_vm() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let memory_bytes = 128 << 20;
+    let (source, console) = boot(memory_bytes, "workload=kv wss=32M");
+    let before = ops(&collect(&console, Duration::from_secs(1)));
+    source.pause().unwrap();
+    // Lines printed just before the pause still count.
+    let last = *ops(&collect(&console, Duration::from_millis(100))).last().or(before.last()).unwrap();
+    let state = source.save_state().unwrap();
+
+    let mut dest = Vm::create(&VmConfig { memory_bytes, hugepages: false }).unwrap();
+    let mut page = [0u8; memory::PAGE_SIZE];
+    for index in 0..memory::page_count(source.memory()) {
+        memory::read_page(source.memory(), index, &mut page).unwrap();
+        if page.iter().any(|&b| b != 0) {
+            memory::write(dest.memory(), index * memory::PAGE_SIZE as u64, &page).unwrap();
+        }
+    }
+    dest.restore_state(&state).unwrap();
+    let dest_console = dest.take_console().unwrap();
+    dest.start(false).unwrap();
+    let after = ops(&collect(&dest_console, Duration::from_secs(1)));
+    assert!(after.len() >= 10, "restored guest printed {} progress lines", after.len());
+    assert!(*after.first().unwrap() >= last, "restored ops {after:?} restarted below {last}");
+    assert!(after.last() > after.first());
+    // The source stays paused: only one copy runs.
+    assert!(source.status().is_stopped());
+}
+
+#[test]
+fn sixteen_gib_guest_boots() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (_vm, console) = boot(16 << 30, "workload=sparse wss=1G");
+    let lines = collect(&console, Duration::from_secs(2));
+    assert!(lines[0].contains("arena="), "{}", lines[0]);
+    assert!(ops(&lines).len() >= 10);
+}
