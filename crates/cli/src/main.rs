@@ -1,1 +1,81 @@
-fn main() {}
+//! `tsubame`: live migration of KVM virtual machines.
+
+mod control;
+mod guest_host;
+mod host;
+mod run;
+mod units;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tsubame_vmm::VmError;
+
+/// Live migration of KVM virtual machines.
+///
+/// tsubame boots a small test VM on KVM and moves it, running, to another
+/// tsubame process. See `tsubame demo --help` for the one-command tour.
+#[derive(Parser, Debug)]
+#[command(name = "tsubame", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Boot a VM with a workload and run it.
+    Run(run::RunArgs),
+    /// Write the embedded guest ELF to FILE (to boot it under QEMU).
+    GuestElf {
+        /// Where to write the multiboot ELF.
+        file: PathBuf,
+    },
+}
+
+/// An error in what the user asked for: exit code 2.
+#[derive(Debug)]
+pub struct UsageError(String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Wraps a message as a usage error.
+pub fn usage_error(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+/// VM errors that come from the user's input or host setup are usage errors.
+pub fn vm_error(e: VmError) -> anyhow::Error {
+    use tsubame_vmm::memory::MemoryError;
+    match e {
+        VmError::Kvm(_) | VmError::Boot(_) | VmError::Memory(MemoryError::BadSize(_)) => usage_error(e.to_string()),
+        other => other.into(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::GuestElf { file } => std::fs::write(&file, tsubame_vmm::guest_elf::GUEST_ELF)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tsubame: error: {e:#}");
+            if e.is::<UsageError>() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}

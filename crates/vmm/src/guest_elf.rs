@@ -3,3 +3,42 @@
 
 /// The multiboot v1 ELF32 image of the test guest.
 pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest.elf"));
+
+/// Workloads the guest knows (guest/README.md describes each).
+pub const WORKLOADS: &[&str] = &["idle", "fill-zero", "fill-random", "kv", "bwmem", "sparse", "zero-clear", "stream"];
+
+/// Parameters a user may pass to a workload (`tsc_khz` is ours to fill).
+pub const WORKLOAD_PARAMS: &[&str] = &["wss", "rate", "seed"];
+
+/// Builds the guest command line, checking names before the guest sees them.
+pub fn cmdline(workload: &str, args: &[(String, String)], tsc_khz: u32) -> Result<String, String> {
+    if !WORKLOADS.contains(&workload) {
+        return Err(format!("unknown workload '{workload}' (known: {})", WORKLOADS.join(", ")));
+    }
+    let mut line = format!("workload={workload}");
+    for (key, value) in args {
+        if !WORKLOAD_PARAMS.contains(&key.as_str()) {
+            return Err(format!("unknown workload parameter '{key}' (known: {})", WORKLOAD_PARAMS.join(", ")));
+        }
+        if value.is_empty() || value.contains(char::is_whitespace) {
+            return Err(format!("workload parameter '{key}' needs a value without spaces"));
+        }
+        line.push_str(&format!(" {key}={value}"));
+    }
+    line.push_str(&format!(" tsc_khz={tsc_khz}"));
+    Ok(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmdline_checks_names() {
+        let args = vec![("wss".to_string(), "64M".to_string())];
+        assert_eq!(cmdline("kv", &args, 2000).unwrap(), "workload=kv wss=64M tsc_khz=2000");
+        assert!(cmdline("nope", &[], 1).unwrap_err().contains("unknown workload 'nope'"));
+        let bad = vec![("foo".to_string(), "1".to_string())];
+        assert!(cmdline("kv", &bad, 1).unwrap_err().contains("unknown workload parameter 'foo'"));
+    }
+}

@@ -95,7 +95,7 @@ pub struct Vm {
     console: Option<Receiver<ConsoleLine>>,
     console_tx: crossbeam_channel::Sender<ConsoleLine>,
     tsc_khz: u32,
-    dirty_logging: bool,
+    dirty_logging: std::sync::atomic::AtomicBool,
 }
 
 /// Probes, one by one, which MSRs this KVM lets us both read and write
@@ -152,7 +152,7 @@ impl Vm {
             console: Some(console_rx),
             console_tx,
             tsc_khz,
-            dirty_logging: false,
+            dirty_logging: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -302,7 +302,7 @@ impl Vm {
     }
 
     /// Turns KVM's dirty page logging on or off for all of guest memory.
-    pub fn set_dirty_logging(&mut self, on: bool) -> Result<(), VmError> {
+    pub fn set_dirty_logging(&self, on: bool) -> Result<(), VmError> {
         for (slot, region) in self.memory.iter().enumerate() {
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
@@ -315,13 +315,13 @@ impl Vm {
             // by `self.memory`; only the flags change.
             unsafe { self.fd.set_user_memory_region(r) }.map_err(ioctl_err("KVM_SET_USER_MEMORY_REGION"))?;
         }
-        self.dirty_logging = on;
+        self.dirty_logging.store(on, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
     /// Fetches and clears KVM's dirty bitmap (one bit per page, LSB first).
     pub fn dirty_log(&self) -> Result<Vec<u64>, VmError> {
-        if !self.dirty_logging {
+        if !self.dirty_logging.load(std::sync::atomic::Ordering::Acquire) {
             return Err(VmError::WrongState("not logging dirty pages"));
         }
         self.fd.get_dirty_log(0, self.memory_bytes() as usize).map_err(ioctl_err("KVM_GET_DIRTY_LOG"))

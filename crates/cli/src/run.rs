@@ -1,0 +1,130 @@
+//! `tsubame run`: boot a VM with a workload and let it run.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use tsubame_vmm::{guest_elf, Vm, VmConfig};
+
+use crate::control::{ControlHandler, ControlServer};
+use crate::guest_host::{ConsoleFollower, Echo};
+use crate::host::{Host, HostEnd};
+use crate::units::{format_bytes, parse_size};
+use crate::usage_error;
+
+/// Options of `tsubame run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// Stop after this many seconds (default: run until `quit` or Ctrl-C).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    /// Serve the JSON-lines control socket at this path.
+    #[arg(long)]
+    pub control: Option<PathBuf>,
+    /// Prefix each guest line with the host time it arrived (ms since boot).
+    #[arg(long, short)]
+    pub verbose: bool,
+    /// Do not print the guest's lines.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// What VM to boot.
+#[derive(Args, Debug, Clone)]
+pub struct VmArgs {
+    /// Guest memory, e.g. 512M, 1G, 16G (8 MiB to 64 GiB, a multiple of 2 MiB).
+    #[arg(long, default_value = "1G")]
+    pub memory: String,
+    /// Guest workload: idle, fill-zero, fill-random, kv, bwmem, sparse, zero-clear, stream.
+    #[arg(long, default_value = "kv")]
+    pub workload: String,
+    /// Workload parameter KEY=VALUE (wss=SIZE, rate=MB/s, seed=N); repeatable.
+    #[arg(long = "workload-arg", value_name = "KEY=VALUE")]
+    pub workload_args: Vec<String>,
+    /// Back guest memory with transparent huge pages.
+    #[arg(long)]
+    pub hugepages: bool,
+}
+
+impl VmArgs {
+    /// Memory size in bytes, checked.
+    pub fn memory_bytes(&self) -> anyhow::Result<u64> {
+        parse_size(&self.memory).map_err(|e| usage_error(format!("--memory: {e}")))
+    }
+
+    /// The workload's parameters, checked as far as the host can.
+    pub fn parsed_workload_args(&self) -> anyhow::Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for arg in &self.workload_args {
+            let Some((key, value)) = arg.split_once('=') else {
+                return Err(usage_error(format!("--workload-arg '{arg}': expected KEY=VALUE")));
+            };
+            let valid = match key {
+                "wss" => parse_size(value).is_ok(),
+                "rate" | "seed" => value.parse::<u64>().is_ok(),
+                _ => true, // unknown names are reported by guest_elf::cmdline
+            };
+            if !valid {
+                return Err(usage_error(format!("--workload-arg {key}: '{value}' is not a valid value")));
+            }
+            out.push((key.to_string(), value.to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Creates the VM and loads the guest with this workload.
+    pub fn boot(&self) -> anyhow::Result<Vm> {
+        let memory_bytes = self.memory_bytes()?;
+        let args = self.parsed_workload_args()?;
+        // Check names before touching KVM, so usage errors come first.
+        guest_elf::cmdline(&self.workload, &args, 0).map_err(usage_error)?;
+        let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: self.hugepages }).map_err(crate::vm_error)?;
+        let cmdline = guest_elf::cmdline(&self.workload, &args, vm.tsc_khz()).map_err(usage_error)?;
+        vm.load_guest(guest_elf::GUEST_ELF, &cmdline).map_err(crate::vm_error)?;
+        Ok(vm)
+    }
+}
+
+/// Boots, runs until the end condition, prints the throughput.
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    if args.seconds.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+        return Err(usage_error("--seconds must be a positive number"));
+    }
+    let mut vm = args.vm.boot()?;
+    let echo = if args.quiet {
+        Echo::Quiet
+    } else if args.verbose {
+        Echo::Timestamped(Instant::now())
+    } else {
+        Echo::Plain
+    };
+    let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
+    vm.start(false)?;
+    let host = Host::new(Arc::new(vm), console);
+    let _server = match &args.control {
+        Some(path) => Some(ControlServer::start(path, host.clone() as Arc<dyn ControlHandler>)?),
+        None => None,
+    };
+    let end = host.wait(args.seconds.map(Duration::from_secs_f64))?;
+    let progress = host.console.snapshot();
+    let elapsed = host.started.elapsed().as_secs_f64();
+    eprintln!(
+        "tsubame: {} after {elapsed:.1} s: workload {} on {} — {} ops, {:.0} ops/s",
+        match end {
+            HostEnd::TimeUp => "stopped",
+            HostEnd::Quit => "quit",
+            HostEnd::GuestHalted => "guest halted",
+        },
+        args.vm.workload,
+        format_bytes(host.vm.memory_bytes()),
+        progress.ops,
+        progress.mean_ops_per_sec,
+    );
+    if progress.lines == 0 {
+        anyhow::bail!("the guest printed no progress");
+    }
+    Ok(())
+}
