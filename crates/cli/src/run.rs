@@ -44,9 +44,10 @@ pub struct VmArgs {
     /// Workload parameter KEY=VALUE (wss=SIZE, rate=MB/s, seed=N); repeatable.
     #[arg(long = "workload-arg", value_name = "KEY=VALUE")]
     pub workload_args: Vec<String>,
-    /// Back guest memory with transparent huge pages.
+    /// Back guest memory with 4 KiB pages only (default: ask for transparent
+    /// huge pages, as QEMU does).
     #[arg(long)]
-    pub hugepages: bool,
+    pub no_hugepages: bool,
 }
 
 impl VmArgs {
@@ -81,7 +82,7 @@ impl VmArgs {
         let args = self.parsed_workload_args()?;
         // Check names before touching KVM, so usage errors come first.
         guest_elf::cmdline(&self.workload, &args, 0).map_err(usage_error)?;
-        let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: self.hugepages }).map_err(crate::vm_error)?;
+        let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: !self.no_hugepages }).map_err(crate::vm_error)?;
         let cmdline = guest_elf::cmdline(&self.workload, &args, vm.tsc_khz()).map_err(usage_error)?;
         vm.load_guest(guest_elf::GUEST_ELF, &cmdline).map_err(crate::vm_error)?;
         Ok(vm)

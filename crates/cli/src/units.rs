@@ -43,7 +43,7 @@ pub fn parse_rate(text: &str) -> Result<u64, String> {
         return Err(err());
     }
     let bytes = value * scale * unit_bytes;
-    if bytes < 1.0 || bytes > 1e15 {
+    if !(1.0..=1e15).contains(&bytes) {
         return Err(err());
     }
     Ok(bytes as u64)

@@ -36,7 +36,7 @@ pub enum MemoryError {
 /// Maps `bytes` of zeroed guest memory (lazily backed: untouched pages cost
 /// nothing), optionally asking for transparent huge pages.
 pub fn create(bytes: u64, hugepages: bool) -> Result<GuestMemory, MemoryError> {
-    if !(MIN_MEMORY..=MAX_MEMORY).contains(&bytes) || bytes % (2 << 20) != 0 {
+    if !(MIN_MEMORY..=MAX_MEMORY).contains(&bytes) || !bytes.is_multiple_of(2 << 20) {
         return Err(MemoryError::BadSize(bytes));
     }
     let mem = GuestMemory::from_ranges(&[(GuestAddress(0), bytes as usize)]).map_err(|e| MemoryError::Map(bytes, e))?;
