@@ -7,6 +7,7 @@
 
 pub mod boot;
 pub mod devices;
+mod dirty;
 pub mod guest_elf;
 pub mod kvm;
 pub mod memory;

@@ -5,13 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver};
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_bindings::{
+    kvm_enable_cap, kvm_userspace_memory_region, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES,
+};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::boot::{self, BootError};
 use crate::devices::ConsoleLine;
+use crate::dirty;
 use crate::kvm::{self, KvmError};
 use crate::memory::{self, GuestMemory, MemoryError};
 use crate::vcpu::{
@@ -96,6 +100,7 @@ pub struct Vm {
     console_tx: crossbeam_channel::Sender<ConsoleLine>,
     tsc_khz: u32,
     dirty_logging: std::sync::atomic::AtomicBool,
+    manual_dirty_protect: bool,
 }
 
 /// Probes, one by one, which MSRs this KVM lets us both read and write
@@ -111,6 +116,19 @@ fn migratable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, VmError> {
         }
     }
     Ok(migratable)
+}
+
+/// Asks KVM to leave dirty bits set until we clear them, with every bit
+/// set when logging starts (no up-front write-protection of all memory).
+fn enable_manual_dirty_protect(vm: &VmFd) -> bool {
+    let wanted = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET;
+    let offered = vm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) as u32;
+    if offered & wanted != wanted {
+        return false;
+    }
+    let mut cap = kvm_enable_cap { cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, ..Default::default() };
+    cap.args[0] = wanted.into();
+    vm.enable_cap(&cap).is_ok()
 }
 
 impl Vm {
@@ -140,6 +158,7 @@ impl Vm {
         vcpu.set_cpuid2(&cpuid).map_err(ioctl_err("KVM_SET_CPUID2"))?;
         let tsc_khz = vcpu.get_tsc_khz().map_err(ioctl_err("KVM_GET_TSC_KHZ"))?;
         let msr_indices = migratable_msrs(&kvm, &vcpu)?;
+        let manual_dirty_protect = enable_manual_dirty_protect(&vm_fd);
         install_kick_handler()?;
         let (console_tx, console_rx) = unbounded();
         Ok(Vm {
@@ -153,6 +172,7 @@ impl Vm {
             console_tx,
             tsc_khz,
             dirty_logging: std::sync::atomic::AtomicBool::new(false),
+            manual_dirty_protect,
         })
     }
 
@@ -319,12 +339,42 @@ impl Vm {
         Ok(())
     }
 
-    /// Fetches and clears KVM's dirty bitmap (one bit per page, LSB first).
-    pub fn dirty_log(&self) -> Result<Vec<u64>, VmError> {
+    /// True when dirty bits stay set until [`Vm::clear_dirty_log`] (KVM's
+    /// manual protect mode); false when [`Vm::dirty_log`] clears them.
+    pub fn manual_dirty_protect(&self) -> bool {
+        self.manual_dirty_protect
+    }
+
+    /// Words of the dirty bitmap: one bit per page.
+    pub fn dirty_bitmap_words(&self) -> usize {
+        (memory::page_count(&self.memory) as usize).div_ceil(64)
+    }
+
+    /// Copies KVM's dirty bitmap (one bit per page, LSB first) into
+    /// `bitmap`, which must hold [`Vm::dirty_bitmap_words`] words. With
+    /// manual protect and logging just enabled, every bit starts set.
+    pub fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError> {
         if !self.dirty_logging.load(std::sync::atomic::Ordering::Acquire) {
             return Err(VmError::WrongState("not logging dirty pages"));
         }
-        self.fd.get_dirty_log(0, self.memory_bytes() as usize).map_err(ioctl_err("KVM_GET_DIRTY_LOG"))
+        if bitmap.len() != self.dirty_bitmap_words() {
+            return Err(VmError::WrongState("given a dirty bitmap of the wrong size"));
+        }
+        dirty::get_dirty_log(&self.fd, 0, bitmap).map_err(|e| VmError::Ioctl("KVM_GET_DIRTY_LOG", e))
+    }
+
+    /// Clears the dirty bits in `mask` for the pages from `first_page` (a
+    /// multiple of 64) on, write-protecting them again. Call it right
+    /// before reading those pages, so a racing write is logged anew.
+    /// Does nothing without manual protect (`dirty_log` cleared them).
+    pub fn clear_dirty_log(&self, first_page: u64, mask: &[u64]) -> Result<(), VmError> {
+        if !self.manual_dirty_protect {
+            return Ok(());
+        }
+        if !first_page.is_multiple_of(64) || first_page / 64 + mask.len() as u64 > self.dirty_bitmap_words() as u64 {
+            return Err(VmError::WrongState("asked to clear dirty bits outside guest memory"));
+        }
+        dirty::clear_dirty_log(&self.fd, 0, first_page, mask).map_err(|e| VmError::Ioctl("KVM_CLEAR_DIRTY_LOG", e))
     }
 
     /// Stops the vCPU thread for good.
