@@ -1,1 +1,15 @@
-//! Migration engine.
+//! tsubame's migration engine: pre-copy source and destination state
+//! machines, the stream format, transports, digests and statistics.
+
+pub mod destination;
+pub mod digest;
+pub mod options;
+pub mod pages;
+pub mod source;
+pub mod stats;
+pub mod transport;
+pub mod wire;
+
+pub use options::{MigrateOptions, Progress, ProgressCell};
+pub use stats::MigrationStats;
+pub use transport::Address;

@@ -9,6 +9,7 @@ pub mod boot;
 pub mod devices;
 mod dirty;
 pub mod guest_elf;
+pub mod host;
 pub mod kvm;
 pub mod memory;
 pub mod vcpu;

@@ -1,0 +1,245 @@
+//! The receiving side: accept one stream, build the VM from it, verify,
+//! and resume the guest only when the source commits.
+//!
+//! Every byte from the peer is checked before use (wire.rs, pages.rs);
+//! on any failure the half-built VM is dropped and the source told why.
+
+use std::io::{BufReader, Read, Write};
+use std::time::{Duration, Instant};
+
+use tsubame_vmm::{memory, Vm, VmConfig, VmState, PAGE_SIZE};
+
+use crate::digest;
+use crate::pages::{for_each_record, Encoding};
+use crate::stats::process_cpu_seconds;
+use crate::transport::{Listener, Stream, TransportError};
+use crate::wire::{self, FrameKind, Hello, WireError};
+
+/// What the receiver may insist on.
+#[derive(Debug, Clone)]
+pub struct ReceiveOptions {
+    /// Refuse a VM whose memory size differs.
+    pub expect_memory: Option<u64>,
+    /// Give up when the source is silent this long.
+    pub io_timeout: Duration,
+    /// Back guest memory with transparent huge pages.
+    pub hugepages: bool,
+}
+
+impl Default for ReceiveOptions {
+    fn default() -> Self {
+        ReceiveOptions { expect_memory: None, io_timeout: Duration::from_secs(30), hugepages: true }
+    }
+}
+
+/// Why an incoming migration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// Accepting.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The stream.
+    #[error("migration stream: {0}")]
+    Wire(#[from] WireError),
+    /// Building the VM.
+    #[error("VM: {0}")]
+    Vm(#[from] tsubame_vmm::VmError),
+    /// The source's setup does not fit this destination.
+    #[error("{0}")]
+    Mismatch(String),
+    /// The source gave up and said why.
+    #[error("source aborted: {0}")]
+    SourceAborted(String),
+    /// The memory does not match the source's digest.
+    #[error("memory digest mismatch in {count} of {total} regions (first at byte {first:#x})")]
+    DigestMismatch {
+        /// Regions that differ.
+        count: usize,
+        /// Regions compared.
+        total: usize,
+        /// Address of the first differing region.
+        first: u64,
+    },
+    /// The VM state blob did not decode.
+    #[error("VM state frame does not decode: {0}")]
+    BadState(String),
+}
+
+impl From<std::io::Error> for ReceiveError {
+    fn from(e: std::io::Error) -> Self {
+        ReceiveError::Wire(WireError::Io(e))
+    }
+}
+
+/// A VM that arrived and runs here now.
+pub struct Incoming {
+    /// The running VM.
+    pub vm: Vm,
+    /// Iterations received (stop-and-copy included).
+    pub iterations: u32,
+    /// Bytes read from the stream.
+    pub bytes: u64,
+    /// CPU-seconds this process spent from connection to resume.
+    pub cpu_seconds: f64,
+    /// Connection to resume.
+    pub duration: Duration,
+}
+
+/// Counts bytes read.
+struct Counted<R> {
+    inner: R,
+    bytes: u64,
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+}
+
+/// Accepts one connection and receives a VM over it. `log` hears the
+/// milestones (for the CLI's stderr).
+pub fn receive(listener: &Listener, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
+    let stream = listener.accept()?;
+    receive_on(stream, options, log)
+}
+
+/// Receives a VM over an accepted connection.
+pub fn receive_on(stream: Stream, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
+    let started = Instant::now();
+    let cpu_start = process_cpu_seconds();
+    stream.set_read_timeout(Some(options.io_timeout))?;
+    let mut writer = stream.try_clone()?;
+    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes: 0 };
+    let result = Receiver { options, log, frame: Vec::new(), iterations: 0 }.run(&mut reader, &mut writer);
+    match result {
+        Ok((vm, iterations)) => {
+            let cpu = process_cpu_seconds() - cpu_start;
+            // Tell the source we run, and what it cost us.
+            let micros = ((cpu * 1e6) as u64).to_le_bytes();
+            let _ = wire::write_frame(&mut writer, FrameKind::Resumed, &micros).and_then(|_| writer.flush());
+            Ok(Incoming { vm, iterations, bytes: reader.bytes, cpu_seconds: cpu, duration: started.elapsed() })
+        }
+        Err(e) => {
+            if !matches!(e, ReceiveError::SourceAborted(_)) {
+                let message = e.to_string();
+                let mut payload = message.as_bytes().to_vec();
+                payload.truncate(wire::MAX_ERROR_MESSAGE);
+                let _ = wire::write_frame(&mut writer, FrameKind::Error, &payload).and_then(|_| writer.flush());
+            }
+            Err(e)
+        }
+    }
+}
+
+struct Receiver<'a> {
+    options: &'a ReceiveOptions,
+    log: &'a dyn Fn(&str),
+    frame: Vec<u8>,
+    iterations: u32,
+}
+
+impl Receiver<'_> {
+    fn next(&mut self, reader: &mut impl Read) -> Result<FrameKind, ReceiveError> {
+        match wire::read_frame(reader, &mut self.frame)? {
+            FrameKind::Error => Err(ReceiveError::SourceAborted(
+                String::from_utf8_lossy(&self.frame[..self.frame.len().min(wire::MAX_ERROR_MESSAGE)]).into_owned(),
+            )),
+            kind => Ok(kind),
+        }
+    }
+
+    fn run(mut self, reader: &mut impl Read, writer: &mut impl Write) -> Result<(Vm, u32), ReceiveError> {
+        wire::write_preamble(writer, wire::VERSION)?;
+        wire::read_preamble(reader)?;
+        let hello = match self.next(reader)? {
+            FrameKind::Hello => Hello::decode(&self.frame)?,
+            other => return Err(WireError::Unexpected { got: other, expected: "HELLO" }.into()),
+        };
+        if let Some(expected) = self.options.expect_memory {
+            if expected != hello.memory_bytes {
+                return Err(ReceiveError::Mismatch(format!(
+                    "memory size mismatch: the source VM has {} bytes, this destination takes {} (--memory)",
+                    hello.memory_bytes, expected
+                )));
+            }
+        }
+        for codec in hello.codecs.split(',').filter(|c| !c.is_empty()) {
+            if codec != "zero" && codec != "none" {
+                return Err(ReceiveError::Mismatch(format!("source wants codec '{codec}', which this tsubame lacks")));
+            }
+        }
+        let mut vm = Vm::create(&VmConfig { memory_bytes: hello.memory_bytes, hugepages: self.options.hugepages })?;
+        wire::write_frame(writer, FrameKind::Accept, &[])?;
+        writer.flush()?;
+        (self.log)(&format!("receiving a VM with {} MiB of memory", hello.memory_bytes >> 20));
+
+        let page_count = memory::page_count(vm.memory());
+        let mut touched = vec![0u64; page_count.div_ceil(64) as usize];
+        let zero_page = [0u8; PAGE_SIZE];
+        let mut state: Option<VmState> = None;
+        loop {
+            match self.next(reader)? {
+                FrameKind::Pages if state.is_none() => {
+                    let mem = vm.memory();
+                    for_each_record(&self.frame, page_count, |record| {
+                        let word = &mut touched[(record.page_index / 64) as usize];
+                        let bit = 1u64 << (record.page_index % 64);
+                        let addr = record.page_index * PAGE_SIZE as u64;
+                        let result = match record.encoding {
+                            Encoding::Raw => {
+                                *word |= bit;
+                                memory::write(mem, addr, record.data)
+                            }
+                            // Untouched memory is zero already: keep it unbacked.
+                            Encoding::Zero if *word & bit != 0 => memory::write(mem, addr, &zero_page),
+                            Encoding::Zero => Ok(()),
+                        };
+                        result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
+                    })?;
+                }
+                FrameKind::IterationEnd if state.is_none() => {
+                    self.iterations += 1;
+                }
+                FrameKind::State if state.is_none() => {
+                    let decoded: VmState =
+                        postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
+                    state = Some(decoded);
+                }
+                FrameKind::Digest if state.is_some() => {
+                    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+                    let ours = digest::memory_digest(vm.memory(), hello.digest_region, threads);
+                    let mismatched = digest::compare(&self.frame, hello.digest_region, &ours)?;
+                    if let Some(&first) = mismatched.first() {
+                        return Err(ReceiveError::DigestMismatch {
+                            count: mismatched.len(),
+                            total: ours.len(),
+                            first: first as u64 * hello.digest_region as u64,
+                        });
+                    }
+                    vm.restore_state(state.as_ref().expect("checked above"))?;
+                    wire::write_frame(writer, FrameKind::Ready, &[])?;
+                    writer.flush()?;
+                    (self.log)("memory verified; ready, waiting for commit");
+                    break;
+                }
+                other => {
+                    return Err(WireError::Unexpected {
+                        got: other,
+                        expected: if state.is_none() { "PAGES, ITERATION_END or STATE" } else { "DIGEST" },
+                    }
+                    .into())
+                }
+            }
+        }
+        match self.next(reader)? {
+            FrameKind::Commit => {}
+            other => return Err(WireError::Unexpected { got: other, expected: "COMMIT" }.into()),
+        }
+        vm.start(false)?;
+        (self.log)("committed; the VM runs here now");
+        Ok((vm, self.iterations))
+    }
+}

@@ -1,0 +1,77 @@
+//! What a user can ask of a migration, and what the engine reports while
+//! it runs.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::digest;
+
+/// Knobs of a pre-copy migration (CLI flags map one to one).
+#[derive(Debug, Clone)]
+pub struct MigrateOptions {
+    /// Cap on bytes per second written to the connection.
+    pub max_bandwidth: Option<u64>,
+    /// Stop iterating when the rest should take at most this long.
+    pub downtime_limit: Duration,
+    /// Stop iterating after this many iterations (stop-and-copy anyway).
+    pub max_iterations: u32,
+    /// Fail instead of a long stop-and-copy when not converged.
+    pub abort_if_not_converged: bool,
+    /// Digest region size in bytes.
+    pub digest_region: u32,
+    /// How long to wait for the destination to answer.
+    pub io_timeout: Duration,
+    /// How long to retry connecting while the destination is not up yet.
+    pub connect_timeout: Duration,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        MigrateOptions {
+            max_bandwidth: None,
+            downtime_limit: Duration::from_millis(300),
+            max_iterations: 30,
+            abort_if_not_converged: false,
+            digest_region: digest::DEFAULT_REGION,
+            io_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Where a running migration is, for `query-migrate` and progress bars.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Progress {
+    /// setup, iterating, stop-and-copy, committing, completed, failed.
+    pub phase: String,
+    /// Current iteration.
+    pub iteration: u32,
+    /// Pages dirty at the start of this iteration.
+    pub dirty_pages: u64,
+    /// Pages of this iteration still to send.
+    pub remaining_pages: u64,
+    /// Bytes written so far.
+    pub bytes_on_wire: u64,
+    /// Measured bytes per second of the last iteration.
+    pub bandwidth: f64,
+    /// Guest memory size.
+    pub memory_bytes: u64,
+}
+
+/// A progress value shared between the engine and its observers.
+#[derive(Default)]
+pub struct ProgressCell(Mutex<Progress>);
+
+impl ProgressCell {
+    /// Updates the progress in place.
+    pub fn update(&self, f: impl FnOnce(&mut Progress)) {
+        f(&mut self.0.lock().unwrap());
+    }
+
+    /// A copy of the current progress.
+    pub fn get(&self) -> Progress {
+        self.0.lock().unwrap().clone()
+    }
+}

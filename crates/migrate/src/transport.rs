@@ -1,0 +1,307 @@
+//! Where migration streams go: `tcp:HOST:PORT` or `unix:PATH`, and a token
+//! bucket for `--max-bandwidth`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Errors of addresses and connections.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The address is not `tcp:HOST:PORT` or `unix:PATH`.
+    #[error("'{0}' is not an address: use tcp:HOST:PORT or unix:PATH")]
+    BadAddress(String),
+    /// Connecting failed.
+    #[error("cannot connect to {0}")]
+    Connect(String, #[source] std::io::Error),
+    /// Listening failed.
+    #[error("cannot listen on {0}")]
+    Listen(String, #[source] std::io::Error),
+    /// Accepting failed.
+    #[error("accepting a connection failed")]
+    Accept(#[source] std::io::Error),
+}
+
+/// A migration endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    /// TCP host and port.
+    Tcp(String),
+    /// Unix socket path.
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Address {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Address, TransportError> {
+        if let Some(rest) = s.strip_prefix("tcp:") {
+            match rest.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                    Ok(Address::Tcp(rest.to_string()))
+                }
+                _ => Err(TransportError::BadAddress(s.to_string())),
+            }
+        } else if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(TransportError::BadAddress(s.to_string()));
+            }
+            Ok(Address::Unix(PathBuf::from(path)))
+        } else {
+            Err(TransportError::BadAddress(s.to_string()))
+        }
+    }
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Tcp(hp) => write!(f, "tcp:{hp}"),
+            Address::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A connected stream of either kind.
+pub enum Stream {
+    /// TCP.
+    Tcp(TcpStream),
+    /// Unix socket.
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Connects to `addr`, retrying for up to `patience` while the peer is
+    /// not listening yet.
+    pub fn connect(addr: &Address, patience: Duration) -> Result<Stream, TransportError> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let attempt = match addr {
+                Address::Tcp(hp) => TcpStream::connect(hp).map(|s| {
+                    let _ = s.set_nodelay(true);
+                    Stream::Tcp(s)
+                }),
+                Address::Unix(p) => UnixStream::connect(p).map(Stream::Unix),
+            };
+            match attempt {
+                Ok(s) => return Ok(s),
+                Err(e) if Instant::now() < deadline && retryable(&e) => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => return Err(TransportError::Connect(addr.to_string(), e)),
+            }
+        }
+    }
+
+    /// A second handle to the same connection (one reads, one writes).
+    pub fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    /// Bounds how long a read may wait.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
+    /// Closes both directions.
+    pub fn shutdown(&self) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+fn retryable(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound)
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// A bound listener of either kind.
+pub enum Listener {
+    /// TCP.
+    Tcp(TcpListener),
+    /// Unix socket (the file is removed on drop).
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    /// Binds `addr`. A stale Unix socket file is replaced.
+    pub fn bind(addr: &Address) -> Result<Listener, TransportError> {
+        let err = |e| TransportError::Listen(addr.to_string(), e);
+        match addr {
+            Address::Tcp(hp) => {
+                let resolved = hp.to_socket_addrs().map_err(err)?.next().ok_or_else(|| {
+                    err(std::io::Error::new(std::io::ErrorKind::NotFound, "host name has no address"))
+                })?;
+                Ok(Listener::Tcp(TcpListener::bind(resolved).map_err(err)?))
+            }
+            Address::Unix(path) => {
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path);
+                }
+                Ok(Listener::Unix(UnixListener::bind(path).map_err(err)?, path.clone()))
+            }
+        }
+    }
+
+    /// Waits for one connection.
+    pub fn accept(&self) -> Result<Stream, TransportError> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().map_err(TransportError::Accept)?;
+                let _ = s.set_nodelay(true);
+                Ok(Stream::Tcp(s))
+            }
+            Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().map_err(TransportError::Accept)?.0)),
+        }
+    }
+
+    /// The bound address (with the real port for `tcp:HOST:0`).
+    pub fn local_address(&self) -> Address {
+        match self {
+            Listener::Tcp(l) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
+            Listener::Unix(_, p) => Address::Unix(p.clone()),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A writer that counts bytes and holds them to a rate (token bucket).
+pub struct Metered<W> {
+    inner: W,
+    /// Bytes written so far.
+    pub bytes: u64,
+    rate: Option<u64>,
+    tokens: f64,
+    last: Instant,
+}
+
+/// Bucket depth: how far ahead of the rate a burst may run.
+const BURST: Duration = Duration::from_millis(10);
+
+impl<W: Write> Metered<W> {
+    /// Wraps `inner`; `rate` in bytes per second, None = unlimited.
+    pub fn new(inner: W, rate: Option<u64>) -> Self {
+        Metered { inner, bytes: 0, rate, tokens: 0.0, last: Instant::now() }
+    }
+
+    /// Sleeps until `n` bytes may go.
+    fn wait_for(&mut self, n: usize) {
+        let Some(rate) = self.rate else { return };
+        let rate = rate as f64;
+        let cap = (rate * BURST.as_secs_f64()).max(n as f64);
+        let now = Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * rate).min(cap);
+        self.last = now;
+        self.tokens -= n as f64;
+        if self.tokens < 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(-self.tokens / rate));
+        }
+    }
+
+    /// The wrapped writer.
+    pub fn get_ref(&self) -> &W {
+        &self.inner
+    }
+}
+
+impl<W: Write> Write for Metered<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Pace in slices so a big buffer does not burst past the rate.
+        let slice = match self.rate {
+            Some(rate) => buf.len().min(((rate as f64 * BURST.as_secs_f64()) as usize).max(4096)),
+            None => buf.len(),
+        };
+        self.wait_for(slice);
+        let n = self.inner.write(&buf[..slice])?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses() {
+        assert_eq!("tcp:127.0.0.1:4444".parse::<Address>().unwrap(), Address::Tcp("127.0.0.1:4444".into()));
+        assert_eq!("unix:/tmp/x".parse::<Address>().unwrap(), Address::Unix("/tmp/x".into()));
+        for bad in ["tcp:nohost", "tcp::1", "tcp:h:99999", "unix:", "udp:1.2.3.4:5", "file"] {
+            assert!(bad.parse::<Address>().is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn metered_writer_holds_the_rate() {
+        let mut w = Metered::new(std::io::sink(), Some(10_000_000));
+        let start = Instant::now();
+        let chunk = vec![0u8; 100_000];
+        for _ in 0..20 {
+            w.write_all(&chunk).unwrap();
+        }
+        let secs = start.elapsed().as_secs_f64();
+        assert_eq!(w.bytes, 2_000_000);
+        // 2 MB at 10 MB/s: 0.2 s, less the one burst allowance.
+        assert!(secs > 0.17, "2 MB at 10 MB/s took only {secs:.3} s");
+    }
+
+    #[test]
+    fn unix_connect_and_accept() {
+        let path = std::env::temp_dir().join(format!("tsubame-transport-{}", std::process::id()));
+        let addr = Address::Unix(path.clone());
+        let listener = Listener::bind(&addr).unwrap();
+        let t = std::thread::spawn(move || {
+            let mut s = listener.accept().unwrap();
+            let mut b = [0u8; 2];
+            s.read_exact(&mut b).unwrap();
+            b
+        });
+        let mut c = Stream::connect(&addr, Duration::from_secs(1)).unwrap();
+        c.write_all(b"hi").unwrap();
+        assert_eq!(&t.join().unwrap(), b"hi");
+        assert!(!path.exists());
+    }
+}
