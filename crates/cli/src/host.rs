@@ -2,17 +2,18 @@
 //! the wait for it to end (time limit, `quit`, or the guest stopping).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tsubame_migrate::{source, Address, MigrateOptions, MigrationStats, ProgressCell};
 use tsubame_vmm::{VcpuStatus, Vm};
 
 use crate::control::ControlHandler;
 use crate::guest_host::{ConsoleFollower, GuestProgress};
 
 /// Why the host stopped waiting.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 pub enum HostEnd {
     /// The time limit passed.
     TimeUp,
@@ -20,7 +21,20 @@ pub enum HostEnd {
     Quit,
     /// The guest halted on its own.
     GuestHalted,
+    /// The VM was migrated away.
+    Migrated(Box<MigrationStats>),
 }
+
+/// The source side's migration, as `query-migrate` reports it.
+enum Migration {
+    None,
+    Active(Arc<ProgressCell>),
+    Finished { stats: Box<MigrationStats>, at: Instant, delivered: bool },
+}
+
+/// After a completed migration the source lingers this long at most for a
+/// client to collect the statistics.
+const LINGER: Duration = Duration::from_secs(5);
 
 /// The VM and what watches it.
 pub struct Host {
@@ -31,12 +45,21 @@ pub struct Host {
     /// When the guest started running here.
     pub started: Instant,
     quit: AtomicBool,
+    migration: Mutex<Migration>,
+    me: Weak<Host>,
 }
 
 impl Host {
     /// Wraps a started VM.
     pub fn new(vm: Arc<Vm>, console: ConsoleFollower) -> Arc<Host> {
-        Arc::new(Host { vm, console, started: Instant::now(), quit: AtomicBool::new(false) })
+        Arc::new_cyclic(|me| Host {
+            vm,
+            console,
+            started: Instant::now(),
+            quit: AtomicBool::new(false),
+            migration: Mutex::new(Migration::None),
+            me: me.clone(),
+        })
     }
 
     /// Asks `wait` to return.
@@ -50,11 +73,16 @@ impl Host {
             if self.quit.load(Ordering::Acquire) {
                 return Ok(HostEnd::Quit);
             }
-            if limit.is_some_and(|l| self.started.elapsed() >= l) {
+            if let Migration::Finished { stats, at, delivered } = &*self.migration.lock().unwrap() {
+                if stats.status == "completed" && (*delivered || at.elapsed() > LINGER) {
+                    return Ok(HostEnd::Migrated(stats.clone()));
+                }
+            }
+            if limit.is_some_and(|l| self.started.elapsed() >= l) && !self.migrating() {
                 return Ok(HostEnd::TimeUp);
             }
             match self.vm.wait_stopped(Duration::from_millis(50)) {
-                VcpuStatus::Halted => {
+                VcpuStatus::Halted if !self.migrating() => {
                     // Let the console thread catch the guest's last line.
                     std::thread::sleep(Duration::from_millis(50));
                     if let Some(error) = self.console.snapshot().error {
@@ -62,9 +90,61 @@ impl Host {
                     }
                     return Ok(HostEnd::GuestHalted);
                 }
-                VcpuStatus::Failed(reason) => anyhow::bail!("the VM failed: {reason}"),
+                VcpuStatus::Failed(reason) if !self.migrating() => anyhow::bail!("the VM failed: {reason}"),
                 VcpuStatus::Stopped => anyhow::bail!("the vCPU thread ended unexpectedly"),
                 _ => {}
+            }
+        }
+    }
+
+    fn self_arc(&self) -> Arc<Host> {
+        self.me.upgrade().expect("a Host lives in an Arc")
+    }
+
+    /// True from the start of a migration until it failed (then the VM
+    /// runs here again) or completed (then it runs elsewhere).
+    fn migrating(&self) -> bool {
+        match &*self.migration.lock().unwrap() {
+            Migration::None => false,
+            Migration::Active(_) => true,
+            Migration::Finished { stats, .. } => stats.status == "completed",
+        }
+    }
+
+    /// Starts migrating the VM to `to` on a thread of its own.
+    pub fn start_migration(self: &Arc<Self>, to: Address, options: MigrateOptions) -> Result<(), String> {
+        let progress = Arc::new(ProgressCell::default());
+        {
+            let mut slot = self.migration.lock().unwrap();
+            match &*slot {
+                Migration::Active(_) => return Err("a migration is already running".into()),
+                Migration::Finished { stats, .. } if stats.status == "completed" => {
+                    return Err("the VM has already been migrated away".into())
+                }
+                _ => {}
+            }
+            *slot = Migration::Active(progress.clone());
+        }
+        let host = self.clone();
+        std::thread::Builder::new()
+            .name("migration".into())
+            .spawn(move || {
+                let stats = source::migrate(&host.vm, &to, &options, &progress);
+                *host.migration.lock().unwrap() =
+                    Migration::Finished { stats: Box::new(stats), at: Instant::now(), delivered: false };
+            })
+            .map_err(|e| format!("cannot start the migration thread: {e}"))?;
+        Ok(())
+    }
+
+    /// The `query-migrate` reply; marks final statistics as delivered.
+    pub fn query_migrate(&self) -> Value {
+        match &mut *self.migration.lock().unwrap() {
+            Migration::None => json!({"status": "none"}),
+            Migration::Active(progress) => json!({"status": "active", "progress": progress.get()}),
+            Migration::Finished { stats, delivered, .. } => {
+                *delivered = true;
+                json!({"status": stats.status, "stats": stats})
             }
         }
     }
@@ -94,16 +174,64 @@ pub fn status_name(status: &VcpuStatus) -> &'static str {
 }
 
 impl ControlHandler for Host {
-    fn handle(&self, cmd: &str, _request: &Value) -> Result<Value, String> {
+    fn handle(&self, cmd: &str, request: &Value) -> Result<Value, String> {
         match cmd {
             "stats" => Ok(self.stats()),
+            "migrate" => {
+                let (to, options) = migrate_request(request)?;
+                self.self_arc().start_migration(to, options)?;
+                Ok(json!({}))
+            }
+            "query-migrate" => Ok(self.query_migrate()),
             "pause" => self.vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             "resume" => self.vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
             "quit" => {
                 self.request_quit();
                 Ok(json!({}))
             }
-            other => Err(format!("unknown command '{other}' (known: stats, pause, resume, quit)")),
+            other => {
+                Err(format!("unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate)"))
+            }
         }
     }
+}
+
+/// Reads `{"cmd":"migrate","to":ADDR, ...options}`.
+pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), String> {
+    let to =
+        request.get("to").and_then(Value::as_str).ok_or("migrate needs \"to\": \"tcp:HOST:PORT\" or \"unix:PATH\"")?;
+    let to: Address = to.parse().map_err(|e: tsubame_migrate::transport::TransportError| e.to_string())?;
+    let mut options = MigrateOptions::default();
+    let number = |key: &str| -> Result<Option<u64>, String> {
+        match request.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| format!("\"{key}\" must be a non-negative integer")),
+        }
+    };
+    options.max_bandwidth = number("max_bandwidth")?;
+    if let Some(ms) = number("downtime_limit_ms")? {
+        options.downtime_limit = Duration::from_millis(ms);
+    }
+    if let Some(n) = number("max_iterations")? {
+        if n == 0 || n > 1000 {
+            return Err("\"max_iterations\" must be between 1 and 1000".into());
+        }
+        options.max_iterations = n as u32;
+    }
+    if let Some(v) = request.get("abort_if_not_converged") {
+        options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
+    }
+    Ok((to, options))
+}
+
+/// The request fields for `options`, the inverse of [`migrate_request`].
+pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
+    json!({
+        "cmd": "migrate",
+        "to": to.to_string(),
+        "max_bandwidth": options.max_bandwidth,
+        "downtime_limit_ms": options.downtime_limit.as_millis() as u64,
+        "max_iterations": options.max_iterations,
+        "abort_if_not_converged": options.abort_if_not_converged,
+    })
 }

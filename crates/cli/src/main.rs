@@ -1,8 +1,11 @@
 //! `tsubame`: live migration of KVM virtual machines.
 
 mod control;
+mod demo;
 mod guest_host;
 mod host;
+mod migrate_cmd;
+mod receive;
 mod run;
 mod units;
 
@@ -27,6 +30,13 @@ struct Cli {
 enum Command {
     /// Boot a VM with a workload and run it.
     Run(run::RunArgs),
+    /// Wait for an incoming VM and run it.
+    Receive(receive::ReceiveArgs),
+    /// Live-migrate the VM behind a control socket to a destination.
+    Migrate(migrate_cmd::MigrateArgs),
+    /// The whole job in one command: boot a VM with a workload, migrate it
+    /// live to a second tsubame process over loopback, show the result.
+    Demo(demo::DemoArgs),
     /// Write the embedded guest ELF to FILE (to boot it under QEMU).
     GuestElf {
         /// Where to write the multiboot ELF.
@@ -79,6 +89,9 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Receive(args) => receive::receive(args),
+        Command::Migrate(args) => migrate_cmd::migrate(args),
+        Command::Demo(args) => demo::demo(args),
         Command::GuestElf { file } => std::fs::write(&file, tsubame_vmm::guest_elf::GUEST_ELF)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display())),
     };

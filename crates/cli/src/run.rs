@@ -112,19 +112,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let end = host.wait(args.seconds.map(Duration::from_secs_f64))?;
     let progress = host.console.snapshot();
     let elapsed = host.started.elapsed().as_secs_f64();
+    let how = match &end {
+        HostEnd::TimeUp => "stopped".to_string(),
+        HostEnd::Quit => "quit".to_string(),
+        HostEnd::GuestHalted => "guest halted".to_string(),
+        HostEnd::Migrated(stats) => format!("migrated to {}", stats.destination),
+    };
     eprintln!(
-        "tsubame: {} after {elapsed:.1} s: workload {} on {} — {} ops, {:.0} ops/s",
-        match end {
-            HostEnd::TimeUp => "stopped",
-            HostEnd::Quit => "quit",
-            HostEnd::GuestHalted => "guest halted",
-        },
+        "tsubame: {how} after {elapsed:.1} s: workload {} on {} — {} ops, {:.0} ops/s here",
         args.vm.workload,
         format_bytes(host.vm.memory_bytes()),
         progress.ops,
         progress.mean_ops_per_sec,
     );
-    if progress.lines == 0 {
+    if progress.lines == 0 && !matches!(end, HostEnd::Migrated(_)) {
         anyhow::bail!("the guest printed no progress");
     }
     Ok(())

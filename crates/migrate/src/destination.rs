@@ -179,10 +179,10 @@ impl Receiver<'_> {
         let page_count = memory::page_count(vm.memory());
         let mut touched = vec![0u64; page_count.div_ceil(64) as usize];
         let zero_page = [0u8; PAGE_SIZE];
-        let mut state: Option<VmState> = None;
+        let state: VmState;
         loop {
             match self.next(reader)? {
-                FrameKind::Pages if state.is_none() => {
+                FrameKind::Pages => {
                     let mem = vm.memory();
                     for_each_record(&self.frame, page_count, |record| {
                         let word = &mut touched[(record.page_index / 64) as usize];
@@ -200,40 +200,43 @@ impl Receiver<'_> {
                         result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
                     })?;
                 }
-                FrameKind::IterationEnd if state.is_none() => {
+                FrameKind::IterationEnd => {
                     self.iterations += 1;
                 }
-                FrameKind::State if state.is_none() => {
-                    let decoded: VmState =
-                        postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
-                    state = Some(decoded);
-                }
-                FrameKind::Digest if state.is_some() => {
-                    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-                    let ours = digest::memory_digest(vm.memory(), hello.digest_region, threads);
-                    let mismatched = digest::compare(&self.frame, hello.digest_region, &ours)?;
-                    if let Some(&first) = mismatched.first() {
-                        return Err(ReceiveError::DigestMismatch {
-                            count: mismatched.len(),
-                            total: ours.len(),
-                            first: first as u64 * hello.digest_region as u64,
-                        });
-                    }
-                    vm.restore_state(state.as_ref().expect("checked above"))?;
-                    wire::write_frame(writer, FrameKind::Ready, &[])?;
-                    writer.flush()?;
-                    (self.log)("memory verified; ready, waiting for commit");
+                FrameKind::State => {
+                    state = postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
                     break;
                 }
                 other => {
-                    return Err(WireError::Unexpected {
-                        got: other,
-                        expected: if state.is_none() { "PAGES, ITERATION_END or STATE" } else { "DIGEST" },
-                    }
-                    .into())
+                    return Err(WireError::Unexpected { got: other, expected: "PAGES, ITERATION_END or STATE" }.into())
                 }
             }
         }
+        // STATE ends the pages: hash our memory while the source hashes its own.
+        let mem = vm.memory().clone();
+        let region = hello.digest_region;
+        let hasher = std::thread::spawn(move || {
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+            digest::memory_digest(&mem, region, threads)
+        });
+        let next = self.next(reader);
+        let ours = hasher.join().expect("digest thread");
+        match next? {
+            FrameKind::Digest => {}
+            other => return Err(WireError::Unexpected { got: other, expected: "DIGEST" }.into()),
+        }
+        let mismatched = digest::compare(&self.frame, region, &ours)?;
+        if let Some(&first) = mismatched.first() {
+            return Err(ReceiveError::DigestMismatch {
+                count: mismatched.len(),
+                total: ours.len(),
+                first: first as u64 * region as u64,
+            });
+        }
+        vm.restore_state(&state)?;
+        wire::write_frame(writer, FrameKind::Ready, &[])?;
+        writer.flush()?;
+        (self.log)("memory verified; ready, waiting for commit");
         match self.next(reader)? {
             FrameKind::Commit => {}
             other => return Err(WireError::Unexpected { got: other, expected: "COMMIT" }.into()),

@@ -8,9 +8,13 @@ use xxhash_rust::xxh3::xxh3_64;
 pub const DEFAULT_REGION: u32 = 1 << 20;
 
 /// xxh3 of each `region`-byte slice of guest memory, in order. Runs on
-/// `threads` threads; the VM must not be running.
+/// `threads` threads; the VM must not be running. Regions the kernel never
+/// populated are zeros: their hash is computed once, not read.
 pub fn memory_digest(mem: &GuestMemory, region: u32, threads: usize) -> Vec<u64> {
     let size = memory::size(mem);
+    let pagemap = memory::Pagemap::open().ok();
+    let zero_hash = xxh3_64(&vec![0u8; region as usize]);
+    let pagemap = &pagemap;
     let count = size.div_ceil(region as u64) as usize;
     let mut hashes = vec![0u64; count];
     let threads = threads.clamp(1, count.max(1));
@@ -22,8 +26,14 @@ pub fn memory_digest(mem: &GuestMemory, region: u32, threads: usize) -> Vec<u64>
                 for (i, slot) in chunk.iter_mut().enumerate() {
                     let start = ((t * per_thread + i) as u64) * region as u64;
                     let len = (size - start).min(region as u64) as usize;
-                    memory::read(mem, start, &mut buf[..len]).expect("region inside guest memory");
-                    *slot = xxh3_64(&buf[..len]);
+                    let unpopulated =
+                        pagemap.as_ref().is_some_and(|p| p.unpopulated(mem, start, len as u64).unwrap_or(false));
+                    *slot = if unpopulated && len == region as usize {
+                        zero_hash
+                    } else {
+                        memory::read(mem, start, &mut buf[..len]).expect("region inside guest memory");
+                        xxh3_64(&buf[..len])
+                    };
                 }
             });
         }

@@ -72,6 +72,7 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         committed: false,
         start,
         pending: None,
+        pagemap: memory::Pagemap::open().ok(),
     };
     progress.update(|p| {
         p.phase = "setup".into();
@@ -119,6 +120,8 @@ struct SourceRun<'a> {
     start: Instant,
     /// Dirty pages still to send when iterating stopped.
     pending: Option<Vec<u64>>,
+    /// Tells never-populated (zero) pages apart without reading them.
+    pagemap: Option<memory::Pagemap>,
 }
 
 type Writer = BufWriter<Metered<Stream>>;
@@ -240,6 +243,7 @@ impl SourceRun<'_> {
         let dirty_pages = count(bitmap);
         let mut it = IterationStats { index: iteration, dirty_pages, ..Default::default() };
         let mut page = [0u8; PAGE_SIZE];
+        let mut populated = [true; WORDS_PER_CHUNK * 64];
         let mut remaining = dirty_pages;
         builder.reset(iteration);
         for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
@@ -248,13 +252,23 @@ impl SourceRun<'_> {
             }
             let first_page = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
             vm.clear_dirty_log(first_page, chunk)?;
+            // Pages the kernel never populated are zeros: don't read them
+            // (reading would populate them, and cost a fault each).
+            let populated = &mut populated[..chunk.len() * 64];
+            if self.pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first_page, populated).is_err()) {
+                populated.fill(true);
+            }
             for (w, &word) in chunk.iter().enumerate() {
                 let mut bits = word;
                 while bits != 0 {
-                    let index = first_page + (w * 64) as u64 + bits.trailing_zeros() as u64;
+                    let offset = w * 64 + bits.trailing_zeros() as usize;
+                    let index = first_page + offset as u64;
                     bits &= bits - 1;
-                    memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
-                    if is_zero_page(&page) {
+                    let zero = !populated[offset] || {
+                        memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
+                        is_zero_page(&page)
+                    };
+                    if zero {
                         builder.push(index, Encoding::Zero, &[]);
                         self.stats.pages_zero += 1;
                     } else {
@@ -306,7 +320,15 @@ impl SourceRun<'_> {
         let mut pending = self.pending.take().expect("precopy leaves the pending dirty set");
         self.progress.update(|p| p.phase = "stop-and-copy".into());
         let paused = Instant::now();
+        let mut lap = paused;
+        let mut laps = |slot: &mut f64| {
+            let now = Instant::now();
+            *slot = ms(now - lap);
+            lap = now;
+        };
+        let mut breakdown = crate::stats::DowntimeBreakdown::default();
         vm.pause()?;
+        laps(&mut breakdown.pause_ms);
         let mut fresh = vec![0u64; pending.len()];
         vm.dirty_log(&mut fresh)?;
         if vm.manual_dirty_protect() {
@@ -318,15 +340,19 @@ impl SourceRun<'_> {
         let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
         let it = self.send_dirty(writer, &pending, iteration, &mut builder)?;
         self.stats.per_iteration.push(it);
+        laps(&mut breakdown.final_pages_ms);
 
         let state = vm.save_state()?;
         let blob = postcard::to_stdvec(&state).expect("VM state serializes");
         wire::write_frame(writer, FrameKind::State, &blob)?;
+        writer.flush()?;
+        laps(&mut breakdown.state_ms);
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         let hashes = digest::memory_digest(vm.memory(), self.options.digest_region, threads);
         wire::write_frame(writer, FrameKind::Digest, &digest::encode(self.options.digest_region, &hashes))?;
         writer.flush()?;
         self.stats.bytes_on_wire = writer.get_ref().bytes;
+        laps(&mut breakdown.source_digest_ms);
 
         match wire::read_frame(reader, frame)? {
             FrameKind::Ready => {}
@@ -334,6 +360,7 @@ impl SourceRun<'_> {
             other => return Err(WireError::Unexpected { got: other, expected: "READY" }.into()),
         }
         self.stats.digest_verified = true;
+        laps(&mut breakdown.destination_verify_ms);
 
         // The point of no return: once COMMIT is out, only the destination
         // may run the VM. A failed write means it cannot have arrived whole.
@@ -345,7 +372,9 @@ impl SourceRun<'_> {
         if confirmed != FrameKind::Resumed {
             return Err(SourceError::CommitUnconfirmed(format!("got {confirmed:?} instead of RESUMED")));
         }
+        laps(&mut breakdown.commit_ms);
         self.stats.downtime_ms = ms(paused.elapsed());
+        self.stats.downtime_breakdown = breakdown;
         if let Some(micros) = frame.get(..8) {
             self.stats.cpu_seconds.destination = u64::from_le_bytes(micros.try_into().unwrap()) as f64 / 1e6;
         }

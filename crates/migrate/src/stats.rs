@@ -30,6 +30,23 @@ pub struct CpuSeconds {
     pub source_migration_thread: f64,
 }
 
+/// Where the downtime went, in milliseconds, in order.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DowntimeBreakdown {
+    /// Stopping the vCPU.
+    pub pause_ms: f64,
+    /// Sending the last dirty pages.
+    pub final_pages_ms: f64,
+    /// Saving and sending vCPU state.
+    pub state_ms: f64,
+    /// Hashing memory on the source.
+    pub source_digest_ms: f64,
+    /// Waiting for the destination to verify its memory and say READY.
+    pub destination_verify_ms: f64,
+    /// COMMIT until the destination confirmed it runs the VM.
+    pub commit_ms: f64,
+}
+
 /// Per-codec counters.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CodecStats {
@@ -79,6 +96,8 @@ pub struct MigrationStats {
     pub digest_verified: bool,
     /// Downtime the source expected when it stopped iterating.
     pub expected_downtime_ms: f64,
+    /// Where the downtime went.
+    pub downtime_breakdown: DowntimeBreakdown,
     /// Per iteration.
     pub per_iteration: Vec<IterationStats>,
     /// Per codec.

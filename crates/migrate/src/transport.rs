@@ -187,6 +187,39 @@ impl Listener {
         }
     }
 
+    /// Waits for one connection, giving up (None) once `stop` says so;
+    /// `stop` is asked every 50 ms.
+    pub fn accept_until(&self, stop: &dyn Fn() -> bool) -> Result<Option<Stream>, TransportError> {
+        let set_nonblocking = |on| match self {
+            Listener::Tcp(l) => l.set_nonblocking(on),
+            Listener::Unix(l, _) => l.set_nonblocking(on),
+        };
+        set_nonblocking(true).map_err(TransportError::Accept)?;
+        let result = loop {
+            if stop() {
+                break Ok(None);
+            }
+            match self.accept() {
+                Ok(stream) => break Ok(Some(stream)),
+                Err(TransportError::Accept(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        set_nonblocking(false).map_err(TransportError::Accept)?;
+        // Accepted sockets inherit nothing from the listener on Linux, but
+        // make sure the stream blocks (reads rely on timeouts, not polling).
+        if let Ok(Some(stream)) = &result {
+            match stream {
+                Stream::Tcp(s) => s.set_nonblocking(false),
+                Stream::Unix(s) => s.set_nonblocking(false),
+            }
+            .map_err(TransportError::Accept)?;
+        }
+        result
+    }
+
     /// The bound address (with the real port for `tcp:HOST:0`).
     pub fn local_address(&self) -> Address {
         match self {

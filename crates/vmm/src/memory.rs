@@ -82,6 +82,43 @@ pub fn read(mem: &GuestMemory, addr: u64, out: &mut [u8]) -> Result<(), MemoryEr
     mem.read_slice(out, GuestAddress(addr)).map_err(|_| MemoryError::OutOfRange { addr, len: out.len() })
 }
 
+/// The kernel's page table of this process (/proc/self/pagemap): tells
+/// which pages of guest memory were never populated. Such pages of our
+/// private anonymous mapping read as zeros, so a digest need not read them.
+pub struct Pagemap(std::fs::File);
+
+impl Pagemap {
+    /// Opens /proc/self/pagemap.
+    pub fn open() -> std::io::Result<Pagemap> {
+        std::fs::File::open("/proc/self/pagemap").map(Pagemap)
+    }
+
+    /// Fills `populated` with one flag per guest page from `first_page`:
+    /// false when the page is neither in RAM nor in swap (so reads zero).
+    pub fn populated(&self, mem: &GuestMemory, first_page: u64, populated: &mut [bool]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let pages = populated.len() as u64;
+        if first_page.checked_add(pages).is_none_or(|end| end > page_count(mem)) {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "range outside guest memory"));
+        }
+        let first = host_address(mem, first_page * PAGE_SIZE as u64) as u64 / PAGE_SIZE as u64;
+        let mut entries = vec![0u8; populated.len() * 8];
+        self.0.read_exact_at(&mut entries, first * 8)?;
+        // Bit 63: present in RAM; bit 62: swapped out.
+        for (flag, e) in populated.iter_mut().zip(entries.chunks_exact(8)) {
+            *flag = u64::from_le_bytes(e.try_into().unwrap()) >> 62 != 0;
+        }
+        Ok(())
+    }
+
+    /// True when no page of `[addr, addr + len)` is in RAM or swap.
+    pub fn unpopulated(&self, mem: &GuestMemory, addr: u64, len: u64) -> std::io::Result<bool> {
+        let mut flags = vec![false; len.div_ceil(PAGE_SIZE as u64) as usize];
+        self.populated(mem, addr / PAGE_SIZE as u64, &mut flags)?;
+        Ok(flags.iter().all(|&p| !p))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,6 +128,17 @@ mod tests {
         assert!(matches!(create(4 << 20, false), Err(MemoryError::BadSize(_))));
         assert!(matches!(create((16 << 20) + 4096, false), Err(MemoryError::BadSize(_))));
         assert!(matches!(create(128 << 30, false), Err(MemoryError::BadSize(_))));
+    }
+
+    #[test]
+    fn pagemap_sees_written_pages() {
+        let mem = create(16 << 20, false).unwrap();
+        let pagemap = Pagemap::open().unwrap();
+        assert!(pagemap.unpopulated(&mem, 0, 16 << 20).unwrap());
+        write(&mem, (5 << 20) + 10, &[1]).unwrap();
+        assert!(!pagemap.unpopulated(&mem, 5 << 20, 1 << 20).unwrap());
+        assert!(pagemap.unpopulated(&mem, 6 << 20, 1 << 20).unwrap());
+        assert!(pagemap.unpopulated(&mem, 15 << 20, 2 << 20).is_err());
     }
 
     #[test]

@@ -1,0 +1,164 @@
+//! `tsubame migrate`: ask a running VM (through its control socket) to
+//! migrate, show progress, and report the result.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use tsubame_migrate::{Address, MigrateOptions};
+
+use crate::control::ControlClient;
+use crate::host::migrate_request_fields;
+use crate::units::{format_bytes, parse_rate};
+use crate::usage_error;
+
+/// How to migrate (shared by `migrate` and `demo`).
+#[derive(Args, Debug, Clone)]
+pub struct MigrateFlags {
+    /// Cap the migration stream, e.g. 1Gbit, 100Mbit or 500MB (per second).
+    #[arg(long, value_name = "RATE")]
+    pub max_bandwidth: Option<String>,
+    /// Stop iterating once the remaining dirty memory should take at most
+    /// this many milliseconds to send (the expected downtime).
+    #[arg(long, value_name = "MS", default_value_t = 300)]
+    pub downtime_limit: u64,
+    /// Stop iterating after this many iterations and stop-and-copy anyway.
+    #[arg(long, value_name = "N", default_value_t = 30)]
+    pub max_iterations: u32,
+    /// Fail (the VM keeps running here) instead of a stop-and-copy that
+    /// would exceed the downtime limit.
+    #[arg(long)]
+    pub abort_if_not_converged: bool,
+    /// Write the migration statistics as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+impl MigrateFlags {
+    /// The engine's options, checked.
+    pub fn options(&self) -> anyhow::Result<MigrateOptions> {
+        let max_bandwidth = match &self.max_bandwidth {
+            Some(text) => Some(parse_rate(text).map_err(|e| usage_error(format!("--max-bandwidth: {e}")))?),
+            None => None,
+        };
+        if self.max_iterations == 0 || self.max_iterations > 1000 {
+            return Err(usage_error("--max-iterations must be between 1 and 1000"));
+        }
+        Ok(MigrateOptions {
+            max_bandwidth,
+            downtime_limit: Duration::from_millis(self.downtime_limit),
+            max_iterations: self.max_iterations,
+            abort_if_not_converged: self.abort_if_not_converged,
+            ..MigrateOptions::default()
+        })
+    }
+}
+
+/// Options of `tsubame migrate`.
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    /// Control socket of the running VM (`tsubame run --control PATH`).
+    #[arg(long)]
+    pub control: PathBuf,
+    /// Destination: tcp:HOST:PORT or unix:PATH (where `tsubame receive` listens).
+    #[arg(long)]
+    pub to: String,
+    #[command(flatten)]
+    pub flags: MigrateFlags,
+}
+
+/// A progress bar on stderr (drawn only when stderr is a terminal).
+pub fn progress_bar() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}").expect("valid template"));
+    bar.enable_steady_tick(Duration::from_millis(100));
+    bar
+}
+
+/// The bar's text for a `progress` object of `query-migrate`.
+pub fn progress_message(p: &Value) -> String {
+    let get = |k: &str| p.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    format!(
+        "{} · iteration {} · dirty {} pages · {} left · {}/s · {} sent",
+        p.get("phase").and_then(Value::as_str).unwrap_or("?"),
+        get("iteration"),
+        get("dirty_pages"),
+        format_bytes(get("remaining_pages") as u64 * 4096),
+        format_bytes(get("bandwidth") as u64),
+        format_bytes(get("bytes_on_wire") as u64),
+    )
+}
+
+/// Prints the readable summary of a statistics object.
+pub fn print_summary(stats: &Value) {
+    let f = |k: &str| stats.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let status = stats.get("status").and_then(Value::as_str).unwrap_or("?");
+    println!("migration {status} to {}", stats.get("destination").and_then(Value::as_str).unwrap_or("?"));
+    if let Some(error) = stats.get("error").and_then(Value::as_str) {
+        println!("  error:       {error}");
+    }
+    println!("  total time:  {:.1} ms (setup {:.1} ms)", f("total_time_ms"), f("setup_time_ms"));
+    println!("  downtime:    {:.1} ms (expected {:.1} ms)", f("downtime_ms"), f("expected_downtime_ms"));
+    println!(
+        "  iterations:  {} ({}, stop reason: {})",
+        f("iterations"),
+        if stats.get("converged") == Some(&Value::Bool(true)) { "converged" } else { "not converged" },
+        stats.get("stop_reason").and_then(Value::as_str).unwrap_or("-"),
+    );
+    println!(
+        "  sent:        {} on the wire; {} page records ({} zero) for {} pages of memory",
+        format_bytes(f("bytes_on_wire") as u64),
+        f("pages_sent"),
+        f("pages_zero"),
+        f("pages_total"),
+    );
+    let cpu = stats.get("cpu_seconds");
+    let c = |k: &str| cpu.and_then(|c| c.get(k)).and_then(Value::as_f64).unwrap_or(0.0);
+    println!(
+        "  cpu:         source {:.2} s (migration thread {:.2} s), destination {:.2} s",
+        c("source"),
+        c("source_migration_thread"),
+        c("destination")
+    );
+    println!(
+        "  verified:    {}",
+        if stats.get("digest_verified") == Some(&Value::Bool(true)) { "memory digest matched" } else { "no" }
+    );
+}
+
+/// Writes the statistics JSON if asked to.
+pub fn write_json(path: &Option<PathBuf>, stats: &Value) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        let text = serde_json::to_string_pretty(stats)?;
+        std::fs::write(path, text + "\n").map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Runs `tsubame migrate`.
+pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    let to: Address =
+        args.to.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?;
+    let options = args.flags.options()?;
+    let mut client = ControlClient::connect(&args.control)?;
+    client.request(&migrate_request_fields(&to, &options))?;
+    let bar = progress_bar();
+    let stats = loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let reply = client.request(&serde_json::json!({"cmd": "query-migrate"}))?;
+        match reply.get("status").and_then(Value::as_str) {
+            Some("active") => bar.set_message(progress_message(&reply["progress"])),
+            Some("completed") | Some("failed") => break reply["stats"].clone(),
+            other => anyhow::bail!("unexpected query-migrate status {other:?}"),
+        }
+    };
+    bar.finish_and_clear();
+    print_summary(&stats);
+    write_json(&args.flags.json, &stats)?;
+    if stats.get("status").and_then(Value::as_str) != Some("completed") {
+        anyhow::bail!("migration failed: {}", stats.get("error").and_then(Value::as_str).unwrap_or("unknown error"));
+    }
+    Ok(())
+}

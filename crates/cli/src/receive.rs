@@ -1,0 +1,142 @@
+//! `tsubame receive`: wait for incoming VMs and run the one that arrives.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::{json, Value};
+use tsubame_migrate::destination::{receive_on, ReceiveOptions};
+use tsubame_migrate::transport::Listener;
+use tsubame_migrate::Address;
+
+use crate::control::{ControlHandler, ControlServer};
+use crate::guest_host::{ConsoleFollower, Echo};
+use crate::host::{Host, HostEnd};
+use crate::units::parse_size;
+use crate::usage_error;
+
+/// Options of `tsubame receive`.
+#[derive(Args, Debug)]
+pub struct ReceiveArgs {
+    /// Where to listen: tcp:HOST:PORT or unix:PATH.
+    #[arg(long)]
+    pub listen: String,
+    /// Serve the JSON-lines control socket at this path.
+    #[arg(long)]
+    pub control: Option<PathBuf>,
+    /// Exit after one incoming migration, failed or not (default: a failed
+    /// one is discarded and the next is awaited).
+    #[arg(long)]
+    pub once: bool,
+    /// Accept only a VM with this much memory.
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// Give up on a source that sends nothing for this many seconds.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+    /// Back guest memory with 4 KiB pages only.
+    #[arg(long)]
+    pub no_hugepages: bool,
+    /// Prefix the guest's lines with host time (ms since the VM arrived).
+    #[arg(long, short)]
+    pub verbose: bool,
+    /// Do not print the guest's lines.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// Control requests before and after the VM arrives.
+struct ReceiveControl {
+    host: Mutex<Option<Arc<Host>>>,
+    quit: AtomicBool,
+    phase: Mutex<String>,
+}
+
+impl ControlHandler for ReceiveControl {
+    fn handle(&self, cmd: &str, request: &Value) -> Result<Value, String> {
+        if let Some(host) = self.host.lock().unwrap().clone() {
+            return host.handle(cmd, request);
+        }
+        match cmd {
+            "stats" => Ok(json!({"status": "waiting", "phase": self.phase.lock().unwrap().clone()})),
+            "quit" => {
+                self.quit.store(true, Ordering::Release);
+                Ok(json!({}))
+            }
+            other => Err(format!("no VM here yet; '{other}' needs one (known now: stats, quit)")),
+        }
+    }
+}
+
+/// Runs `tsubame receive`.
+pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
+    let addr: Address =
+        args.listen.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?;
+    let expect_memory = match &args.memory {
+        Some(m) => Some(parse_size(m).map_err(|e| usage_error(format!("--memory: {e}")))?),
+        None => None,
+    };
+    if args.timeout == 0 {
+        return Err(usage_error("--timeout must be at least 1 second"));
+    }
+    let options =
+        ReceiveOptions { expect_memory, io_timeout: Duration::from_secs(args.timeout), hugepages: !args.no_hugepages };
+    let listener = Listener::bind(&addr)?;
+    let control = Arc::new(ReceiveControl {
+        host: Mutex::new(None),
+        quit: AtomicBool::new(false),
+        phase: Mutex::new("listening".into()),
+    });
+    let _server = match &args.control {
+        Some(path) => Some(ControlServer::start(path, control.clone() as Arc<dyn ControlHandler>)?),
+        None => None,
+    };
+    eprintln!("tsubame: waiting for a VM on {}", listener.local_address());
+    let log = |m: &str| {
+        *control.phase.lock().unwrap() = m.to_string();
+        eprintln!("tsubame: {m}");
+    };
+    let incoming = loop {
+        let Some(stream) = listener.accept_until(&|| control.quit.load(Ordering::Acquire))? else {
+            return Ok(()); // quit before a VM arrived
+        };
+        match receive_on(stream, &options, &log) {
+            Ok(incoming) => break incoming,
+            Err(e) if args.once => return Err(anyhow::anyhow!("incoming migration failed: {e}")),
+            Err(e) => eprintln!("tsubame: incoming migration failed: {e}; waiting for the next one"),
+        }
+    };
+    eprintln!(
+        "tsubame: VM received: {} iterations, {} bytes in {:.1} ms, {:.2} CPU-seconds",
+        incoming.iterations,
+        incoming.bytes,
+        incoming.duration.as_secs_f64() * 1e3,
+        incoming.cpu_seconds
+    );
+    let mut vm = incoming.vm;
+    let echo = if args.quiet {
+        Echo::Quiet
+    } else if args.verbose {
+        Echo::Timestamped(Instant::now())
+    } else {
+        Echo::Plain
+    };
+    let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
+    let host = Host::new(Arc::new(vm), console);
+    *control.host.lock().unwrap() = Some(host.clone());
+    let end = host.wait(None)?;
+    let progress = host.console.snapshot();
+    eprintln!(
+        "tsubame: {} — guest at ops={} ({:.0} ops/s here)",
+        match end {
+            HostEnd::Migrated(stats) => format!("migrated on to {}", stats.destination),
+            HostEnd::GuestHalted => "guest halted".into(),
+            _ => "quit".into(),
+        },
+        progress.ops,
+        progress.mean_ops_per_sec
+    );
+    Ok(())
+}
