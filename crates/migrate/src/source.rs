@@ -73,14 +73,15 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         start,
         pending: None,
         pagemap: memory::Pagemap::open().ok(),
+        reader: None,
     };
     progress.update(|p| {
         p.phase = "setup".into();
         p.memory_bytes = vm.memory_bytes();
     });
     let result = run.run(to);
-    let mut stats = run.stats;
     let committed = run.committed;
+    let mut stats = std::mem::take(&mut run.stats);
     stats.total_time_ms = ms(start.elapsed());
     stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
     stats.cpu_seconds.source_migration_thread = thread_cpu_seconds() - cpu_thread;
@@ -91,7 +92,16 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         }
         Err(e) => {
             stats.status = "failed".into();
-            let mut message = e.to_string();
+            // A broken connection often means the destination refused
+            // something and hung up: its ERROR frame says what.
+            let peer_said = match &e {
+                SourceError::Wire(WireError::Io(_)) => run.peer_error(),
+                _ => None,
+            };
+            let mut message = match peer_said {
+                Some(reason) => format!("destination refused: {reason}"),
+                None => error_chain(&e),
+            };
             if !committed {
                 let _ = vm.set_dirty_logging(false);
                 if let Err(resume) = vm.resume() {
@@ -105,6 +115,18 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         }
     }
     stats
+}
+
+/// "outer: inner: innermost", one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    text
 }
 
 fn ms(d: Duration) -> f64 {
@@ -122,6 +144,8 @@ struct SourceRun<'a> {
     pending: Option<Vec<u64>>,
     /// Tells never-populated (zero) pages apart without reading them.
     pagemap: Option<memory::Pagemap>,
+    /// The connection's reading half, kept to hear a last ERROR frame.
+    reader: Option<std::io::BufReader<Stream>>,
 }
 
 type Writer = BufWriter<Metered<Stream>>;
@@ -141,12 +165,12 @@ impl SourceRun<'_> {
         }
         let stream = Stream::connect(to, self.options.connect_timeout)?;
         stream.set_read_timeout(Some(self.options.io_timeout))?;
-        let mut reader = std::io::BufReader::new(stream.try_clone()?);
+        let reader = self.reader.insert(std::io::BufReader::new(stream.try_clone()?));
         let mut writer: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream, self.options.max_bandwidth));
         let mut frame = Vec::new();
 
         wire::write_preamble(&mut writer, wire::VERSION)?;
-        wire::read_preamble(&mut reader)?;
+        wire::read_preamble(reader)?;
         let hello = Hello {
             memory_bytes: vm.memory_bytes(),
             page_size: PAGE_SIZE as u32,
@@ -156,7 +180,7 @@ impl SourceRun<'_> {
         };
         wire::write_frame(&mut writer, FrameKind::Hello, &hello.encode())?;
         writer.flush()?;
-        match wire::read_frame(&mut reader, &mut frame)? {
+        match wire::read_frame(reader, &mut frame)? {
             FrameKind::Accept => {}
             FrameKind::Error => return Err(SourceError::Refused(String::from_utf8_lossy(&frame).into_owned())),
             other => return Err(WireError::Unexpected { got: other, expected: "ACCEPT" }.into()),
@@ -164,7 +188,26 @@ impl SourceRun<'_> {
         self.stats.setup_time_ms = ms(self.start.elapsed());
 
         self.precopy(&mut writer)?;
-        self.stop_and_copy(&mut writer, &mut reader, &mut frame)
+        let mut reader = self.reader.take().expect("set above");
+        let result = self.stop_and_copy(&mut writer, &mut reader, &mut frame);
+        self.reader = Some(reader);
+        result
+    }
+
+    /// After a broken connection: the destination's ERROR frame, if it
+    /// sent one before hanging up.
+    fn peer_error(&mut self) -> Option<String> {
+        let reader = self.reader.as_mut()?;
+        let _ = reader.get_ref().set_read_timeout(Some(Duration::from_millis(500)));
+        let mut frame = Vec::new();
+        for _ in 0..4 {
+            match wire::read_frame(reader, &mut frame) {
+                Ok(FrameKind::Error) => return Some(String::from_utf8_lossy(&frame).into_owned()),
+                Ok(_) => continue,
+                Err(_) => return None,
+            }
+        }
+        None
     }
 
     /// Iterations while the guest runs; returns with the VM still running.
