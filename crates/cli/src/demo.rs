@@ -159,7 +159,12 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
     // The guest must go on at the destination from where it stopped here.
     let mut client = destination.client()?;
-    let first = client.request(&json!({"cmd": "stats"}))?;
+    let mut first = client.request(&json!({"cmd": "stats"}))?;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while first["guest"]["lines"].as_u64().unwrap_or(0) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        first = client.request(&json!({"cmd": "stats"}))?;
+    }
     std::thread::sleep(Duration::from_secs_f64(args.after));
     let later = client.request(&json!({"cmd": "stats"}))?;
     let dest_rate = later["guest"]["ops_per_sec"].as_f64().unwrap_or(0.0);

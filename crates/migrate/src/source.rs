@@ -223,7 +223,7 @@ impl SourceRun<'_> {
         }
         let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
         let mut bandwidth = 0.0f64;
-        let mut bytes_per_page = PAGE_SIZE as f64;
+        let mut bytes_per_page = (PAGE_SIZE + crate::pages::RECORD_HEADER) as f64;
         let mut iteration = 0u32;
         loop {
             self.progress.update(|p| {
@@ -231,7 +231,10 @@ impl SourceRun<'_> {
                 p.iteration = iteration;
             });
             let it = self.send_dirty(writer, &bitmap, iteration, &mut builder)?;
-            if it.pages_sent > 0 {
+            // Iteration 0 also carries never-touched memory (cheap zero
+            // records), which says nothing about what the guest dirties:
+            // estimate later rounds from later rounds only.
+            if it.index > 0 && it.pages_sent > 0 {
                 bytes_per_page = it.bytes_on_wire as f64 / it.pages_sent as f64;
             }
             if it.duration_ms > 1.0 {
