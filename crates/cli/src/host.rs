@@ -218,6 +218,14 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
         }
         options.max_iterations = n as u32;
     }
+    if let Some(g) = number("granularity")? {
+        let g = u32::try_from(g).map_err(|_| "\"granularity\" is too large".to_string())?;
+        tsubame_migrate::subpage::check_granularity(g)?;
+        options.granularity = g;
+    }
+    if let Some(d) = request.get("subpage_detect") {
+        options.subpage_detector = d.as_str().ok_or("\"subpage_detect\" must be a string")?.parse()?;
+    }
     if let Some(v) = request.get("abort_if_not_converged") {
         options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
     }
@@ -233,5 +241,10 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
         "downtime_limit_ms": options.downtime_limit.as_millis() as u64,
         "max_iterations": options.max_iterations,
         "abort_if_not_converged": options.abort_if_not_converged,
+        "granularity": options.granularity,
+        "subpage_detect": match options.subpage_detector {
+            tsubame_migrate::subpage::Detector::Shadow => "shadow",
+            tsubame_migrate::subpage::Detector::Hash => "hash",
+        },
     })
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tsubame_vmm::{memory, Vm, VmConfig, VmState, PAGE_SIZE};
 
 use crate::digest;
-use crate::pages::{for_each_record, Encoding};
+use crate::pages::{for_each_record, for_each_subpage, Encoding};
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
@@ -99,6 +99,43 @@ impl<R: Read> Read for Counted<R> {
     }
 }
 
+/// Times a destination asks for mismatched regions before giving up.
+const MAX_REPAIR_ROUNDS: u32 = 2;
+
+/// Writes the records of a PAGES frame into guest memory. `touched` marks
+/// pages ever written: a zero record for an untouched page writes nothing,
+/// so fresh memory stays unbacked.
+fn apply_pages(frame: &[u8], vm: &Vm, granularity: usize, touched: &mut [u64]) -> Result<(), ReceiveError> {
+    let mem = vm.memory();
+    let page_count = memory::page_count(mem);
+    let zero_page = [0u8; PAGE_SIZE];
+    for_each_record(frame, page_count, granularity, |record| {
+        let word = &mut touched[(record.page_index / 64) as usize];
+        let bit = 1u64 << (record.page_index % 64);
+        let addr = record.page_index * PAGE_SIZE as u64;
+        let result = match record.encoding {
+            Encoding::Raw => {
+                *word |= bit;
+                memory::write(mem, addr, record.data)
+            }
+            Encoding::Zero if *word & bit != 0 => memory::write(mem, addr, &zero_page),
+            Encoding::Zero => Ok(()),
+            Encoding::Subpage => {
+                *word |= bit;
+                let mut result = Ok(());
+                for_each_subpage(record.data, granularity, |offset, bytes| {
+                    if result.is_ok() {
+                        result = memory::write(mem, addr + offset as u64, bytes);
+                    }
+                });
+                result
+            }
+        };
+        result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
+    })?;
+    Ok(())
+}
+
 /// Accepts one connection and receives a VM over it. `log` hears the
 /// milestones (for the CLI's stderr).
 pub fn receive(listener: &Listener, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
@@ -177,29 +214,12 @@ impl Receiver<'_> {
         (self.log)(&format!("receiving a VM with {} MiB of memory", hello.memory_bytes >> 20));
 
         let page_count = memory::page_count(vm.memory());
+        let granularity = hello.granularity as usize;
         let mut touched = vec![0u64; page_count.div_ceil(64) as usize];
-        let zero_page = [0u8; PAGE_SIZE];
         let state: VmState;
         loop {
             match self.next(reader)? {
-                FrameKind::Pages => {
-                    let mem = vm.memory();
-                    for_each_record(&self.frame, page_count, |record| {
-                        let word = &mut touched[(record.page_index / 64) as usize];
-                        let bit = 1u64 << (record.page_index % 64);
-                        let addr = record.page_index * PAGE_SIZE as u64;
-                        let result = match record.encoding {
-                            Encoding::Raw => {
-                                *word |= bit;
-                                memory::write(mem, addr, record.data)
-                            }
-                            // Untouched memory is zero already: keep it unbacked.
-                            Encoding::Zero if *word & bit != 0 => memory::write(mem, addr, &zero_page),
-                            Encoding::Zero => Ok(()),
-                        };
-                        result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
-                    })?;
-                }
+                FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched)?,
                 FrameKind::IterationEnd => {
                     self.iterations += 1;
                 }
@@ -220,18 +240,37 @@ impl Receiver<'_> {
             digest::memory_digest(&mem, region, threads)
         });
         let next = self.next(reader);
-        let ours = hasher.join().expect("digest thread");
+        let mut ours = hasher.join().expect("digest thread");
         match next? {
             FrameKind::Digest => {}
             other => return Err(WireError::Unexpected { got: other, expected: "DIGEST" }.into()),
         }
-        let mismatched = digest::compare(&self.frame, region, &ours)?;
-        if let Some(&first) = mismatched.first() {
-            return Err(ReceiveError::DigestMismatch {
-                count: mismatched.len(),
-                total: ours.len(),
-                first: first as u64 * region as u64,
-            });
+        // Verify; on a mismatch ask for those regions again (the repair
+        // pass), then compare anew.
+        let mut rounds = 0;
+        loop {
+            let mismatched = digest::compare(&self.frame, region, &ours)?;
+            let Some(&first) = mismatched.first() else { break };
+            if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > digest::MAX_MISMATCH {
+                return Err(ReceiveError::DigestMismatch {
+                    count: mismatched.len(),
+                    total: ours.len(),
+                    first: first as u64 * region as u64,
+                });
+            }
+            rounds += 1;
+            (self.log)(&format!("memory differs in {} regions; asking for them again", mismatched.len()));
+            wire::write_frame(writer, FrameKind::Mismatch, &digest::encode_mismatch(&mismatched))?;
+            writer.flush()?;
+            loop {
+                match self.next(reader)? {
+                    FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched)?,
+                    FrameKind::Digest => break,
+                    other => return Err(WireError::Unexpected { got: other, expected: "PAGES or DIGEST" }.into()),
+                }
+            }
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+            ours = digest::memory_digest(vm.memory(), region, threads);
         }
         vm.restore_state(&state)?;
         wire::write_frame(writer, FrameKind::Ready, &[])?;

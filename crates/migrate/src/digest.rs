@@ -81,6 +81,39 @@ pub fn compare(payload: &[u8], expected_region: u32, ours: &[u64]) -> Result<Vec
     Ok(mismatched)
 }
 
+/// Most regions a MISMATCH frame may list.
+pub const MAX_MISMATCH: usize = 1 << 20;
+
+/// Encodes a MISMATCH payload: count u32, region indices u32.
+pub fn encode_mismatch(regions: &[usize]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + regions.len() * 4);
+    out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for &r in regions {
+        out.extend_from_slice(&(r as u32).to_le_bytes());
+    }
+    out
+}
+
+/// Decodes a MISMATCH payload; every index must be below `regions`.
+pub fn decode_mismatch(payload: &[u8], regions: usize) -> Result<Vec<u32>, crate::wire::WireError> {
+    use crate::wire::{Fields, FrameKind, WireError};
+    let mut f = Fields::new(FrameKind::Mismatch, payload);
+    let count = f.u32()? as usize;
+    if count == 0 || count > MAX_MISMATCH.min(regions) {
+        return Err(WireError::BadField { field: "mismatch.count", detail: format!("{count} of {regions} regions") });
+    }
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let r = f.u32()?;
+        if r as usize >= regions {
+            return Err(WireError::BadField { field: "mismatch.region", detail: format!("{r} of {regions}") });
+        }
+        out.push(r);
+    }
+    f.finish()?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +128,13 @@ mod tests {
         assert_eq!(compare(&encode(1 << 20, &before), 1 << 20, &after).unwrap(), vec![5]);
         assert!(compare(&encode(1 << 20, &before[..3]), 1 << 20, &after).is_err());
         assert!(compare(&encode(1 << 19, &before), 1 << 20, &after).is_err());
+    }
+
+    #[test]
+    fn mismatch_lists_are_bounded() {
+        assert_eq!(decode_mismatch(&encode_mismatch(&[1, 5]), 16).unwrap(), vec![1, 5]);
+        assert!(decode_mismatch(&encode_mismatch(&[16]), 16).is_err());
+        assert!(decode_mismatch(&encode_mismatch(&[]), 16).is_err());
+        assert!(decode_mismatch(&encode_mismatch(&[1, 2, 3]), 2).is_err());
     }
 }

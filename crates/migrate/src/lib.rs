@@ -7,6 +7,7 @@ pub mod options;
 pub mod pages;
 pub mod source;
 pub mod stats;
+pub mod subpage;
 pub mod transport;
 pub mod wire;
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::digest;
+use crate::subpage::Detector;
 
 /// Knobs of a pre-copy migration (CLI flags map one to one).
 #[derive(Debug, Clone)]
@@ -25,6 +26,13 @@ pub struct MigrateOptions {
     pub io_timeout: Duration,
     /// How long to retry connecting while the destination is not up yet.
     pub connect_timeout: Duration,
+    /// Bytes per sub-page sent for dirty pages (4096: whole pages).
+    pub granularity: u32,
+    /// How sub-page changes are detected.
+    pub subpage_detector: Detector,
+    /// Bits of the sub-page hash that count; tests clear bits to forge
+    /// collisions and exercise the repair pass.
+    pub subpage_hash_mask: u64,
 }
 
 impl Default for MigrateOptions {
@@ -37,6 +45,9 @@ impl Default for MigrateOptions {
             digest_region: digest::DEFAULT_REGION,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
+            granularity: 4096,
+            subpage_detector: Detector::Shadow,
+            subpage_hash_mask: u64::MAX,
         }
     }
 }

@@ -20,6 +20,8 @@ pub enum Encoding {
     Raw = 0,
     /// The page is all zeros; no data.
     Zero = 1,
+    /// Some sub-pages: a u64 mask, then the sub-pages it names, in order.
+    Subpage = 2,
 }
 
 impl Encoding {
@@ -27,6 +29,7 @@ impl Encoding {
         match v {
             0 => Some(Encoding::Raw),
             1 => Some(Encoding::Zero),
+            2 => Some(Encoding::Subpage),
             _ => None,
         }
     }
@@ -89,11 +92,13 @@ pub struct Record<'a> {
     pub data: &'a [u8],
 }
 
-/// Parses a PAGES payload, checking every record against `page_count`;
-/// calls `apply` for each. Returns the iteration number.
+/// Parses a PAGES payload, checking every record against `page_count`
+/// and the sub-page `granularity` agreed in HELLO; calls `apply` for each.
+/// Returns the iteration number.
 pub fn for_each_record<'a>(
     payload: &'a [u8],
     page_count: u64,
+    granularity: usize,
     mut apply: impl FnMut(Record<'a>) -> Result<(), WireError>,
 ) -> Result<u32, WireError> {
     let mut f = Fields::new(FrameKind::Pages, payload);
@@ -119,6 +124,18 @@ pub fn for_each_record<'a>(
         let expected = match encoding {
             Encoding::Raw => PAGE,
             Encoding::Zero => 0,
+            Encoding::Subpage => {
+                let mask_bytes = f.rest().get(..8).ok_or(WireError::Truncated(FrameKind::Pages))?;
+                let mask = u64::from_le_bytes(mask_bytes.try_into().unwrap());
+                let per_page = PAGE / granularity;
+                if granularity == PAGE || mask == 0 || (per_page < 64 && mask >> per_page != 0) {
+                    return Err(WireError::BadField {
+                        field: "pages.subpage_mask",
+                        detail: format!("{mask:#x} for page {page_index} at granularity {granularity}"),
+                    });
+                }
+                8 + mask.count_ones() as usize * granularity
+            }
         };
         if len != expected {
             return Err(WireError::BadField {
@@ -131,6 +148,18 @@ pub fn for_each_record<'a>(
     }
     f.finish()?;
     Ok(iteration)
+}
+
+/// Calls `write(offset, bytes)` for each sub-page of a SUBPAGE record's
+/// data (already length-checked by [`for_each_record`]).
+pub fn for_each_subpage(data: &[u8], granularity: usize, mut write: impl FnMut(usize, &[u8])) {
+    let mask = u64::from_le_bytes(data[..8].try_into().unwrap());
+    let mut bits = mask;
+    for chunk in data[8..].chunks_exact(granularity) {
+        let i = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        write(i * granularity, chunk);
+    }
 }
 
 /// True when the page is all zeros.
@@ -153,7 +182,7 @@ mod tests {
         b.push(5, Encoding::Raw, &page);
         b.push(9, Encoding::Zero, &[]);
         let mut seen = Vec::new();
-        let it = for_each_record(b.payload(), 10, |r| {
+        let it = for_each_record(b.payload(), 10, PAGE, |r| {
             seen.push((r.page_index, r.encoding, r.data.len()));
             Ok(())
         })
@@ -167,20 +196,48 @@ mod tests {
         let mut b = PagesBuilder::new(1);
         b.reset(0);
         b.push(10, Encoding::Zero, &[]);
-        let err = for_each_record(b.payload(), 10, |_| Ok(())).unwrap_err();
+        let err = for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err();
         assert!(err.to_string().contains("pages.page_index"), "{err}");
 
         b.reset(0);
         b.push(1, Encoding::Raw, &[1, 2, 3]);
-        assert!(for_each_record(b.payload(), 10, |_| Ok(())).unwrap_err().to_string().contains("pages.length"));
+        assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.length"));
 
         b.reset(0);
         b.push(1, Encoding::Zero, &[]);
         let mut bytes = b.payload().to_vec();
         bytes[16] = 77; // encoding byte
-        assert!(for_each_record(&bytes, 10, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
+        assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
         bytes[4..8].copy_from_slice(&5u32.to_le_bytes()); // claims 5 records
-        assert!(for_each_record(&bytes, 10, |_| Ok(())).is_err());
+        assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).is_err());
+    }
+
+    #[test]
+    fn subpage_records_are_checked() {
+        let mut b = PagesBuilder::new(1);
+        let mut data = 0b11u64.to_le_bytes().to_vec();
+        data.extend_from_slice(&[1u8; 256]);
+        b.reset(0);
+        b.push(2, Encoding::Subpage, &data);
+        let mut writes = Vec::new();
+        for_each_record(b.payload(), 10, 128, |r| {
+            for_each_subpage(r.data, 128, |off, bytes| writes.push((off, bytes.len())));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(writes, vec![(0, 128), (128, 128)]);
+        // Wrong length for the mask, a mask bit past the page, granularity 4096.
+        b.reset(0);
+        b.push(2, Encoding::Subpage, &data[..200]);
+        assert!(for_each_record(b.payload(), 10, 128, |_| Ok(())).is_err());
+        let mut high = (1u64 << 40).to_le_bytes().to_vec();
+        high.extend_from_slice(&[0u8; 128]);
+        b.reset(0);
+        b.push(2, Encoding::Subpage, &high);
+        assert!(for_each_record(b.payload(), 10, 128, |_| Ok(())).unwrap_err().to_string().contains("subpage_mask"));
+        b.reset(0);
+        b.push(2, Encoding::Subpage, &data);
+        assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).is_err());
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
 use crate::pages::{is_zero_page, Encoding, PagesBuilder};
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
+use crate::subpage::{encode_partial, Change, SubpageTracker};
 use crate::transport::{Address, Metered, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
 
@@ -20,6 +21,8 @@ use crate::wire::{self, FrameKind, Hello, WireError};
 const RECORDS_PER_FRAME: usize = 256;
 /// Dirty-bitmap words handled per clear + send step (1024 pages).
 const WORDS_PER_CHUNK: usize = 16;
+/// Times the verification pass may re-send regions before giving up.
+const MAX_REPAIR_ROUNDS: u32 = 2;
 
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +77,15 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         pending: None,
         pagemap: memory::Pagemap::open().ok(),
         reader: None,
+        subpage: (options.granularity < PAGE_SIZE as u32).then(|| {
+            SubpageTracker::new(
+                options.subpage_detector,
+                options.granularity,
+                memory::page_count(vm.memory()),
+                options.subpage_hash_mask,
+            )
+        }),
+        subpage_buf: Vec::with_capacity(8 + PAGE_SIZE),
     };
     progress.update(|p| {
         p.phase = "setup".into();
@@ -82,6 +94,7 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
     let result = run.run(to);
     let committed = run.committed;
     let mut stats = std::mem::take(&mut run.stats);
+    stats.subpage = run.subpage.as_ref().map(|t| t.stats.clone());
     stats.total_time_ms = ms(start.elapsed());
     stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
     stats.cpu_seconds.source_migration_thread = thread_cpu_seconds() - cpu_thread;
@@ -146,6 +159,10 @@ struct SourceRun<'a> {
     pagemap: Option<memory::Pagemap>,
     /// The connection's reading half, kept to hear a last ERROR frame.
     reader: Option<std::io::BufReader<Stream>>,
+    /// What the destination holds, per sub-page (granularity < 4096).
+    subpage: Option<SubpageTracker>,
+    /// Scratch for SUBPAGE record data.
+    subpage_buf: Vec<u8>,
 }
 
 type Writer = BufWriter<Metered<Stream>>;
@@ -176,6 +193,7 @@ impl SourceRun<'_> {
             page_size: PAGE_SIZE as u32,
             vcpus: 1,
             digest_region: self.options.digest_region,
+            granularity: self.options.granularity,
             codecs: "zero".into(),
         };
         wire::write_frame(&mut writer, FrameKind::Hello, &hello.encode())?;
@@ -310,15 +328,31 @@ impl SourceRun<'_> {
                     let offset = w * 64 + bits.trailing_zeros() as usize;
                     let index = first_page + offset as u64;
                     bits &= bits - 1;
-                    let zero = !populated[offset] || {
-                        memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
-                        is_zero_page(&page)
-                    };
-                    if zero {
-                        builder.push(index, Encoding::Zero, &[]);
-                        self.stats.pages_zero += 1;
+                    let change = if !populated[offset] {
+                        match &mut self.subpage {
+                            Some(tracker) => tracker.diff_zero(index),
+                            None => Change::Zero,
+                        }
                     } else {
-                        builder.push(index, Encoding::Raw, &page);
+                        memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
+                        match &mut self.subpage {
+                            Some(tracker) => tracker.diff(index, &page),
+                            None if is_zero_page(&page) => Change::Zero,
+                            None => Change::Full,
+                        }
+                    };
+                    match change {
+                        Change::Unchanged => continue,
+                        Change::Zero => {
+                            builder.push(index, Encoding::Zero, &[]);
+                            self.stats.pages_zero += 1;
+                        }
+                        Change::Full => builder.push(index, Encoding::Raw, &page),
+                        Change::Partial(mask) => {
+                            let g = self.options.granularity as usize;
+                            encode_partial(&page, g, mask, &mut self.subpage_buf);
+                            builder.push(index, Encoding::Subpage, &self.subpage_buf);
+                        }
                     }
                     it.pages_sent += 1;
                     if builder.len() as usize == RECORDS_PER_FRAME {
@@ -396,14 +430,26 @@ impl SourceRun<'_> {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         let hashes = digest::memory_digest(vm.memory(), self.options.digest_region, threads);
         wire::write_frame(writer, FrameKind::Digest, &digest::encode(self.options.digest_region, &hashes))?;
+        let hashes = hashes; // kept for the repair rounds
         writer.flush()?;
         self.stats.bytes_on_wire = writer.get_ref().bytes;
         laps(&mut breakdown.source_digest_ms);
 
-        match wire::read_frame(reader, frame)? {
-            FrameKind::Ready => {}
-            FrameKind::Error => return Err(SourceError::Refused(String::from_utf8_lossy(frame).into_owned())),
-            other => return Err(WireError::Unexpected { got: other, expected: "READY" }.into()),
+        let digest_payload = digest::encode(self.options.digest_region, &hashes);
+        let mut rounds = 0;
+        loop {
+            match wire::read_frame(reader, frame)? {
+                FrameKind::Ready => break,
+                FrameKind::Error => return Err(SourceError::Refused(String::from_utf8_lossy(frame).into_owned())),
+                FrameKind::Mismatch if rounds < MAX_REPAIR_ROUNDS => {
+                    rounds += 1;
+                    let regions = digest::decode_mismatch(frame, hashes.len())?;
+                    self.resend_regions(writer, &regions, iteration + rounds)?;
+                    wire::write_frame(writer, FrameKind::Digest, &digest_payload)?;
+                    writer.flush()?;
+                }
+                other => return Err(WireError::Unexpected { got: other, expected: "READY" }.into()),
+            }
         }
         self.stats.digest_verified = true;
         laps(&mut breakdown.destination_verify_ms);
@@ -425,6 +471,41 @@ impl SourceRun<'_> {
             self.stats.cpu_seconds.destination = u64::from_le_bytes(micros.try_into().unwrap()) as f64 / 1e6;
         }
         self.stats.bytes_on_wire = writer.get_ref().bytes;
+        Ok(())
+    }
+}
+
+impl SourceRun<'_> {
+    /// Sends every page of the given digest regions whole: the repair pass
+    /// after the destination reported a mismatch.
+    fn resend_regions(&mut self, writer: &mut Writer, regions: &[u32], iteration: u32) -> Result<(), SourceError> {
+        let vm = self.vm;
+        let pages_per_region = (self.options.digest_region as usize / PAGE_SIZE) as u64;
+        let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
+        builder.reset(iteration);
+        let mut page = [0u8; PAGE_SIZE];
+        for &region in regions {
+            let first = region as u64 * pages_per_region;
+            for index in first..(first + pages_per_region).min(self.stats.pages_total) {
+                memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
+                if let Some(tracker) = &mut self.subpage {
+                    tracker.set(index, &page);
+                }
+                builder.push(index, Encoding::Raw, &page);
+                self.stats.pages_sent += 1;
+                if builder.len() as usize == RECORDS_PER_FRAME {
+                    wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
+                    builder.reset(iteration);
+                }
+            }
+        }
+        if !builder.is_empty() {
+            wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
+        }
+        self.stats.regions_repaired += regions.len() as u64;
+        if let Some(tracker) = &mut self.subpage {
+            tracker.stats.regions_repaired += regions.len() as u64;
+        }
         Ok(())
     }
 }

@@ -102,6 +102,11 @@ pub struct MigrationStats {
     pub per_iteration: Vec<IterationStats>,
     /// Per codec.
     pub codec: BTreeMap<String, CodecStats>,
+    /// Sub-page tracking, when `--granularity` is below 4096.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subpage: Option<crate::subpage::SubpageStats>,
+    /// Digest regions the verification pass found different and re-sent.
+    pub regions_repaired: u64,
 }
 
 pub use tsubame_vmm::host::{process_cpu_seconds, thread_cpu_seconds};

@@ -57,6 +57,8 @@ pub enum FrameKind {
     Resumed = 9,
     /// Either side gives up, with a reason.
     Error = 10,
+    /// Destination's memory differs in these digest regions; resend them.
+    Mismatch = 11,
 }
 
 impl FrameKind {
@@ -73,6 +75,7 @@ impl FrameKind {
             8 => Commit,
             9 => Resumed,
             10 => Error,
+            11 => Mismatch,
             _ => return None,
         })
     }
@@ -285,6 +288,8 @@ pub struct Hello {
     pub vcpus: u32,
     /// Bytes per digest region.
     pub digest_region: u32,
+    /// Bytes per sub-page of SUBPAGE records (4096: none are sent).
+    pub granularity: u32,
     /// Page encodings the source may use, comma-separated.
     pub codecs: String,
 }
@@ -300,6 +305,7 @@ impl Hello {
         out.extend_from_slice(&self.page_size.to_le_bytes());
         out.extend_from_slice(&self.vcpus.to_le_bytes());
         out.extend_from_slice(&self.digest_region.to_le_bytes());
+        out.extend_from_slice(&self.granularity.to_le_bytes());
         put_string(&mut out, &self.codecs, MAX_CODECS);
         out
     }
@@ -312,6 +318,7 @@ impl Hello {
             page_size: f.u32()?,
             vcpus: f.u32()?,
             digest_region: f.u32()?,
+            granularity: f.u32()?,
             codecs: f.string("hello.codecs", MAX_CODECS)?,
         };
         f.finish()?;
@@ -329,6 +336,9 @@ impl Hello {
         }
         if !hello.digest_region.is_power_of_two() || !(4096..=(64 << 20)).contains(&hello.digest_region) {
             return bad("hello.digest_region", format!("{} (a power of two, 4 KiB to 64 MiB)", hello.digest_region));
+        }
+        if let Err(detail) = crate::subpage::check_granularity(hello.granularity) {
+            return bad("hello.granularity", detail);
         }
         Ok(hello)
     }
@@ -377,8 +387,14 @@ mod tests {
 
     #[test]
     fn hello_round_trip_and_limits() {
-        let hello =
-            Hello { memory_bytes: 1 << 30, page_size: 4096, vcpus: 1, digest_region: 1 << 20, codecs: "zero".into() };
+        let hello = Hello {
+            memory_bytes: 1 << 30,
+            page_size: 4096,
+            vcpus: 1,
+            digest_region: 1 << 20,
+            granularity: 128,
+            codecs: "zero".into(),
+        };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
         let bad = Hello { memory_bytes: 3, ..hello.clone() };
         assert!(Hello::decode(&bad.encode()).unwrap_err().to_string().contains("hello.memory_bytes"));

@@ -1,0 +1,283 @@
+//! Sub-page dirty tracking (the SPP paper, in software): for each dirty
+//! page, find which `granularity`-byte sub-pages differ from what the
+//! destination holds and send only those.
+//!
+//! Two ways to know what the destination holds:
+//! - `shadow`: a copy of every byte sent (exact; as much memory as the VM,
+//!   though pages never sent stay unbacked);
+//! - `hash`: a 64-bit xxh3 per sub-page (1/16 of guest memory at 128 B).
+//!   A collision would hide a change, so the end-of-migration digest
+//!   comparison finds and re-sends any region that differs.
+//!
+//! Both start from "the destination holds zeros", which is true of fresh
+//! destination memory: the hash table stores `hash ^ ZERO_HASH`, so its
+//! zero-filled (lazily allocated) start state means "zero sub-page".
+
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::pages::{is_zero_page, PAGE};
+
+/// How the tracker knows the destination's contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detector {
+    /// A copy of what was sent.
+    Shadow,
+    /// A 64-bit hash per sub-page.
+    Hash,
+}
+
+impl std::str::FromStr for Detector {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Detector, String> {
+        match s {
+            "shadow" => Ok(Detector::Shadow),
+            "hash" => Ok(Detector::Hash),
+            other => Err(format!("unknown sub-page detector '{other}' (use shadow or hash)")),
+        }
+    }
+}
+
+/// Checks a granularity: a power of two from 64 to 4096 bytes.
+pub fn check_granularity(bytes: u32) -> Result<(), String> {
+    if bytes.is_power_of_two() && (64..=PAGE as u32).contains(&bytes) {
+        Ok(())
+    } else {
+        Err(format!("granularity {bytes} must be a power of two from 64 to 4096"))
+    }
+}
+
+/// What a dirty page turned out to need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Same bytes as the destination holds: send nothing.
+    Unchanged,
+    /// All zeros now (e.g. cleared with `rep stosq`): a zero record.
+    Zero,
+    /// Every sub-page changed: the whole page.
+    Full,
+    /// Only the sub-pages in the mask (bit i = bytes i*g .. (i+1)*g).
+    Partial(u64),
+}
+
+/// Counters for the `subpage` field of the statistics.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SubpageStats {
+    /// Bytes per sub-page.
+    pub granularity: u32,
+    /// shadow or hash.
+    pub detector: String,
+    /// Memory the detector uses (its full size; shadow pages never
+    /// written stay unbacked).
+    pub memory_bytes: u64,
+    /// Sub-pages sent in partial records.
+    pub subpages_sent: u64,
+    /// Dirty pages whose every sub-page changed (sent whole).
+    pub pages_full: u64,
+    /// Dirty pages that turned out identical to the destination's.
+    pub pages_unchanged: u64,
+    /// Dirty pages now all zeros (sent as zero records).
+    pub pages_zeroed: u64,
+    /// Digest regions re-sent by the verification pass.
+    pub regions_repaired: u64,
+}
+
+/// Tracks what the destination holds, page by page.
+pub struct SubpageTracker {
+    granularity: usize,
+    per_page: usize,
+    detector: Detector,
+    shadow: Vec<u8>,
+    hashes: Vec<u64>,
+    zero_hash: u64,
+    /// Which bits of a hash count (all of them, unless a test forges
+    /// collisions).
+    hash_mask: u64,
+    /// Counters.
+    pub stats: SubpageStats,
+}
+
+impl SubpageTracker {
+    /// A tracker for `pages` pages of guest memory.
+    pub fn new(detector: Detector, granularity: u32, pages: u64, hash_mask: u64) -> SubpageTracker {
+        let granularity = granularity as usize;
+        let per_page = PAGE / granularity;
+        let (shadow, hashes) = match detector {
+            // vec![0; n] of this size comes from calloc: lazily zeroed pages.
+            Detector::Shadow => (vec![0u8; pages as usize * PAGE], Vec::new()),
+            Detector::Hash => (Vec::new(), vec![0u64; pages as usize * per_page]),
+        };
+        let memory_bytes = (shadow.len() + hashes.len() * 8) as u64;
+        SubpageTracker {
+            granularity,
+            per_page,
+            detector,
+            shadow,
+            hashes,
+            zero_hash: xxh3_64(&vec![0u8; granularity]) & hash_mask,
+            hash_mask,
+            stats: SubpageStats {
+                granularity: granularity as u32,
+                detector: match detector {
+                    Detector::Shadow => "shadow".into(),
+                    Detector::Hash => "hash".into(),
+                },
+                memory_bytes,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Bytes per sub-page.
+    pub fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    /// Compares `page` (now in guest memory) with what the destination
+    /// holds, records it as sent, and says what to send.
+    pub fn diff(&mut self, index: u64, page: &[u8; PAGE]) -> Change {
+        let g = self.granularity;
+        let mut mask = 0u64;
+        match self.detector {
+            Detector::Shadow => {
+                let held = &mut self.shadow[index as usize * PAGE..][..PAGE];
+                for (i, (now, was)) in page.chunks_exact(g).zip(held.chunks_exact(g)).enumerate() {
+                    if now != was {
+                        mask |= 1 << i;
+                    }
+                }
+                if mask != 0 {
+                    held.copy_from_slice(page);
+                }
+            }
+            Detector::Hash => {
+                let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
+                for (i, (now, was)) in page.chunks_exact(g).zip(held.iter_mut()).enumerate() {
+                    let h = (xxh3_64(now) & self.hash_mask) ^ self.zero_hash;
+                    if h != *was {
+                        mask |= 1 << i;
+                        *was = h;
+                    }
+                }
+            }
+        }
+        let all = if self.per_page == 64 { u64::MAX } else { (1u64 << self.per_page) - 1 };
+        let change = if mask == 0 {
+            Change::Unchanged
+        } else if is_zero_page(page) {
+            Change::Zero
+        } else if mask == all {
+            Change::Full
+        } else {
+            Change::Partial(mask)
+        };
+        match change {
+            Change::Unchanged => self.stats.pages_unchanged += 1,
+            Change::Zero => self.stats.pages_zeroed += 1,
+            Change::Full => self.stats.pages_full += 1,
+            Change::Partial(m) => self.stats.subpages_sent += m.count_ones() as u64,
+        }
+        change
+    }
+
+    /// Like [`SubpageTracker::diff`] for a page known to read as zeros
+    /// (never populated), without hashing or comparing its bytes.
+    pub fn diff_zero(&mut self, index: u64) -> Change {
+        let held_zero = match self.detector {
+            Detector::Shadow => is_zero_page(&self.shadow[index as usize * PAGE..][..PAGE]),
+            Detector::Hash => self.hashes[index as usize * self.per_page..][..self.per_page].iter().all(|&h| h == 0),
+        };
+        if held_zero {
+            self.stats.pages_unchanged += 1;
+            Change::Unchanged
+        } else {
+            self.set(index, &[0u8; PAGE]);
+            self.stats.pages_zeroed += 1;
+            Change::Zero
+        }
+    }
+
+    /// Records that the destination now holds `page` (sent whole, e.g. by
+    /// the verification pass).
+    pub fn set(&mut self, index: u64, page: &[u8; PAGE]) {
+        match self.detector {
+            Detector::Shadow => self.shadow[index as usize * PAGE..][..PAGE].copy_from_slice(page),
+            Detector::Hash => {
+                let g = self.granularity;
+                let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
+                for (now, was) in page.chunks_exact(g).zip(held.iter_mut()) {
+                    *was = (xxh3_64(now) & self.hash_mask) ^ self.zero_hash;
+                }
+            }
+        }
+    }
+}
+
+/// Appends the sub-pages in `mask` of `page` after the mask itself: the
+/// data of a SUBPAGE record.
+pub fn encode_partial(page: &[u8; PAGE], granularity: usize, mask: u64, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&mask.to_le_bytes());
+    let mut bits = mask;
+    while bits != 0 {
+        let i = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        out.extend_from_slice(&page[i * granularity..(i + 1) * granularity]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page_with(bytes: &[(usize, u8)]) -> [u8; PAGE] {
+        let mut p = [0u8; PAGE];
+        for &(i, b) in bytes {
+            p[i] = b;
+        }
+        p
+    }
+
+    #[test]
+    fn both_detectors_find_the_changed_subpages() {
+        for detector in [Detector::Shadow, Detector::Hash] {
+            let mut t = SubpageTracker::new(detector, 128, 4, u64::MAX);
+            // Fresh destination memory is zeros: an all-zero page is unchanged.
+            assert_eq!(t.diff(0, &[0u8; PAGE]), Change::Unchanged);
+            let p = page_with(&[(5, 1), (300, 2)]);
+            assert_eq!(t.diff(1, &p), Change::Partial(0b101));
+            assert_eq!(t.diff(1, &p), Change::Unchanged);
+            let q = page_with(&[(5, 1), (300, 2), (4095, 9)]);
+            assert_eq!(t.diff(1, &q), Change::Partial(1 << 31));
+            assert_eq!(t.diff(1, &[0u8; PAGE]), Change::Zero);
+            assert_eq!(t.diff(2, &[7u8; PAGE]), Change::Full);
+            assert_eq!(t.stats.pages_unchanged, 2);
+        }
+    }
+
+    #[test]
+    fn sixty_four_byte_granularity_uses_all_mask_bits() {
+        let mut t = SubpageTracker::new(Detector::Shadow, 64, 1, u64::MAX);
+        assert_eq!(t.diff(0, &[1u8; PAGE]), Change::Full);
+        let mut p = [1u8; PAGE];
+        p[4095] = 3;
+        assert_eq!(t.diff(0, &p), Change::Partial(1 << 63));
+    }
+
+    #[test]
+    fn a_masked_hash_misses_changes() {
+        let mut t = SubpageTracker::new(Detector::Hash, 128, 1, 0);
+        assert_eq!(t.diff(0, &[1u8; PAGE]), Change::Unchanged, "with every hash 0 nothing looks changed");
+    }
+
+    #[test]
+    fn partial_encoding() {
+        let p = page_with(&[(0, 1), (256, 2)]);
+        let mut out = Vec::new();
+        encode_partial(&p, 128, 0b101, &mut out);
+        assert_eq!(out.len(), 8 + 256);
+        assert_eq!(out[8], 1);
+        assert_eq!(out[8 + 128], 2);
+        assert!(check_granularity(128).is_ok() && check_granularity(100).is_err() && check_granularity(32).is_err());
+    }
+}
