@@ -67,9 +67,11 @@ pub struct SubpageStats {
     pub granularity: u32,
     /// shadow or hash.
     pub detector: String,
-    /// Memory the detector uses (its full size; shadow pages never
-    /// written stay unbacked).
+    /// Memory the detector reserves (its full size).
     pub memory_bytes: u64,
+    /// Of that, what it ever wrote to, in 4 KiB pages: the rest is never
+    /// backed by RAM (the tables start as lazily zeroed allocations).
+    pub memory_resident_bytes: u64,
     /// Sub-pages sent in partial records.
     pub subpages_sent: u64,
     /// Dirty pages whose every sub-page changed (sent whole).
@@ -93,6 +95,8 @@ pub struct SubpageTracker {
     /// Which bits of a hash count (all of them, unless a test forges
     /// collisions).
     hash_mask: u64,
+    /// One bit per 4 KiB page of the detector's table ever written.
+    written: Vec<u64>,
     /// Counters.
     pub stats: SubpageStats,
 }
@@ -108,6 +112,7 @@ impl SubpageTracker {
             Detector::Hash => (Vec::new(), vec![0u64; pages as usize * per_page]),
         };
         let memory_bytes = (shadow.len() + hashes.len() * 8) as u64;
+        let table_pages = memory_bytes.div_ceil(PAGE as u64);
         SubpageTracker {
             granularity,
             per_page,
@@ -116,6 +121,7 @@ impl SubpageTracker {
             hashes,
             zero_hash: xxh3_64(&vec![0u8; granularity]) & hash_mask,
             hash_mask,
+            written: vec![0u64; table_pages.div_ceil(64) as usize],
             stats: SubpageStats {
                 granularity: granularity as u32,
                 detector: match detector {
@@ -148,6 +154,7 @@ impl SubpageTracker {
                 }
                 if mask != 0 {
                     held.copy_from_slice(page);
+                    self.mark_written(index);
                 }
             }
             Detector::Hash => {
@@ -158,6 +165,9 @@ impl SubpageTracker {
                         mask |= 1 << i;
                         *was = h;
                     }
+                }
+                if mask != 0 {
+                    self.mark_written(index);
                 }
             }
         }
@@ -197,9 +207,24 @@ impl SubpageTracker {
         }
     }
 
+    /// Notes that the table entry of guest page `index` was written.
+    fn mark_written(&mut self, index: u64) {
+        let bytes_per_page = match self.detector {
+            Detector::Shadow => PAGE,
+            Detector::Hash => self.per_page * 8,
+        } as u64;
+        let table_page = index * bytes_per_page / PAGE as u64;
+        let (word, bit) = ((table_page / 64) as usize, 1u64 << (table_page % 64));
+        if self.written[word] & bit == 0 {
+            self.written[word] |= bit;
+            self.stats.memory_resident_bytes += PAGE as u64;
+        }
+    }
+
     /// Records that the destination now holds `page` (sent whole, e.g. by
     /// the verification pass).
     pub fn set(&mut self, index: u64, page: &[u8; PAGE]) {
+        self.mark_written(index);
         match self.detector {
             Detector::Shadow => self.shadow[index as usize * PAGE..][..PAGE].copy_from_slice(page),
             Detector::Hash => {
@@ -252,6 +277,9 @@ mod tests {
             assert_eq!(t.diff(1, &[0u8; PAGE]), Change::Zero);
             assert_eq!(t.diff(2, &[7u8; PAGE]), Change::Full);
             assert_eq!(t.stats.pages_unchanged, 2);
+            // Shadow: pages 1 and 2 are two table pages; hash: they share one.
+            let resident = if detector == Detector::Shadow { 8192 } else { 4096 };
+            assert_eq!(t.stats.memory_resident_bytes, resident);
         }
     }
 

@@ -1,0 +1,1428 @@
+#!/usr/bin/env python3
+"""Side-by-side live-migration benchmark: tsubame against QEMU 7.2.
+
+For every case of a case file (bench/cases/*.toml) and every configuration
+it names, the harness boots the same guest ELF with the same command line
+and memory size under the VMM of that configuration, lets the guest's
+workload warm up, migrates it live from a source to a destination VMM
+across a shaped link, and watches the destination for a few seconds.
+
+The link is two network namespaces joined by a veth pair with a `tbf`
+qdisc at the case's rate on both ends (`link = "1gbit"`), or the loopback
+device of one namespace (`link = "loopback"`). The harness creates the
+namespaces (tsb-<pid>-src/-dst/-lo) and removes them again, and stops
+every process it started, also after an error or Ctrl-C.
+
+Figures per run (see bench/README.md): total time, the VMM's own downtime
+figure, guest-observed downtime (gap in the guest's progress lines around
+the switch-over), bytes on the wire (source-side tx_bytes counter),
+CPU-seconds of the source and destination processes (utime+stime from
+/proc, migration start to end), iterations, converged or not, guest ops/s
+before/during/after the migration.
+
+Output, in --out (default results/<date>): runs.jsonl (one JSON object per
+run, appended), table.md (medians and tsubame/QEMU ratios of this
+invocation, also printed), <case>-bars.png and <case>-timeline.png.
+
+Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 and a built
+tsubame (cargo build --release). Exit status 0 when every run completed or
+timed out as a result; 1 with a one-line error when a run failed (QEMU or
+tsubame reported a failed migration, the destination printed no progress
+or a guest error, a process died); 130 on Ctrl-C.
+
+Examples:
+  python3 bench/compare.py bench/cases/smoke.toml
+  python3 bench/compare.py bench/cases/paper.toml --only gmigrate-best --configs qemu-default,tsubame-default
+  python3 bench/compare.py --table-from results/2026-11-22/runs.jsonl
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+
+PROGRESS_RE = re.compile(r"^tsb ops=(\d+) pass=(\d+)\s*$")
+GUEST_ERROR_RE = re.compile(r"^tsubame-guest: (error|exception)")
+TSC_KHZ_RE = re.compile(r"tsc_khz=(\d+)")
+VCPU_THREAD_RE = re.compile(r"^(CPU \d+/KVM|vcpu\d+)$")  # QEMU's and tsubame's vCPU thread names
+NS_NAME_RE = re.compile(r"^tsb-(\d+)-(src|dst|lo)$")
+VETH_NAME_RE = re.compile(r"^tsb(\d+)[sd]$")
+MIGRATION_PORT = 47001
+POLL_S = 0.1  # query-migrate / CPU sampling period, the same for both VMMs
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class HarnessError(Exception):
+    """A failure that ends the benchmark with a one-line message."""
+
+
+# --------------------------------------------------------------------------
+# Units
+
+
+def parse_size(text):
+    """'512M', '4G', '256K', '1024' -> bytes (binary multiples, as tsubame and QEMU)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise HarnessError(f"'{text}' is not a size (try 512M or 4G)")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def parse_rate(text):
+    """'1gbit', '10Gbit', '500mbit' (bits) or '100MB' (bytes) per second -> bits per second (decimal, as tc)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(bit|Bit|BIT|B)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise HarnessError(f"'{text}' is not a rate (try 1gbit, 10gbit, 500mbit or 100MB)")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    per_unit = 8 if m.group(3) == "B" else 1
+    return int(float(m.group(1)) * scale * per_unit)
+
+
+def tsubame_rate_arg(bits_per_s):
+    """Bits per second -> a `--max-bandwidth` value tsubame parses (decimal Mbit)."""
+    return f"{bits_per_s / 1e6:g}Mbit"
+
+
+def tbf_burst_bytes(bits_per_s):
+    """tbf bucket size: about 4 ms of traffic, at least 512 KiB (1gbit: 512kb, 10gbit: ~5mb)."""
+    return max(512 * 1024, int(bits_per_s / 8 * 0.004))
+
+
+# --------------------------------------------------------------------------
+# Case files
+
+
+@dataclass
+class VmmConfig:
+    """One way to migrate: a VMM plus its options (one line of a case file's [configs])."""
+
+    name: str
+    vmm: str  # "qemu" or "tsubame"
+    args: list = field(default_factory=list)  # tsubame: extra `tsubame migrate` arguments
+    capabilities: list = field(default_factory=list)  # qemu: migrate-set-capabilities names set to true
+    parameters: dict = field(default_factory=dict)  # qemu: extra migrate-set-parameters
+
+
+@dataclass
+class Case:
+    name: str
+    workload: str
+    args: dict  # workload parameters (wss, rate, seed), in cmdline order
+    memory: str
+    link: str  # "loopback" or a rate ("1gbit", "10gbit")
+    max_bandwidth: str  # "link" (the link's rate; unlimited on loopback), "unlimited", or a rate
+    repetitions: int
+    time_limit_s: float
+    warmup_s: float
+    watch_s: float
+    downtime_limit_ms: int
+    configs: list  # config names, in run order
+    tsubame_args: list  # extra `tsubame migrate` arguments for every tsubame config of this case
+
+    def link_bits(self):
+        """The link's rate in bit/s, or None for loopback."""
+        return None if self.link == "loopback" else parse_rate(self.link)
+
+    def bandwidth_bits(self):
+        """The migration bandwidth cap in bit/s for both VMMs, or None for unlimited."""
+        if self.max_bandwidth == "link":
+            return self.link_bits()
+        if self.max_bandwidth == "unlimited":
+            return None
+        return parse_rate(self.max_bandwidth)
+
+
+CASE_DEFAULTS = {
+    "args": {},
+    "link": "1gbit",
+    "max_bandwidth": "link",
+    "repetitions": 1,
+    "time_limit_s": 120,
+    "warmup_s": 3,
+    "watch_s": 3,
+    "downtime_limit_ms": 300,
+    "tsubame_args": [],
+}
+
+
+def load_case_file(path):
+    """Reads a case file -> (list of Case, dict name -> VmmConfig). Raises HarnessError when malformed."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise HarnessError(f"{path}: {e}") from None
+    configs = {}
+    for name, spec in doc.get("configs", {}).items():
+        unknown = set(spec) - {"vmm", "args", "capabilities", "parameters"}
+        if unknown or spec.get("vmm") not in ("qemu", "tsubame"):
+            raise HarnessError(f"{path}: config {name}: needs vmm = \"qemu\" or \"tsubame\" "
+                               f"and only args/capabilities/parameters (got {sorted(spec)})")
+        configs[name] = VmmConfig(name=name, vmm=spec["vmm"], args=[str(a) for a in spec.get("args", [])],
+                                  capabilities=list(spec.get("capabilities", [])),
+                                  parameters=dict(spec.get("parameters", {})))
+    defaults = dict(CASE_DEFAULTS)
+    defaults["configs"] = list(configs)
+    defaults.update(doc.get("defaults", {}))
+    cases = []
+    for raw in doc.get("case", []):
+        spec = dict(defaults)
+        spec.update(raw)
+        for key in ("name", "workload", "memory"):
+            if key not in spec:
+                raise HarnessError(f"{path}: a [[case]] lacks '{key}'")
+        unknown = set(spec) - set(f.name for f in dataclasses.fields(Case))
+        if unknown:
+            raise HarnessError(f"{path}: case {spec['name']}: unknown keys {sorted(unknown)}")
+        for c in spec["configs"]:
+            if c not in configs:
+                raise HarnessError(f"{path}: case {spec['name']}: config '{c}' is not defined in [configs]")
+        case = Case(name=spec["name"], workload=spec["workload"], args={k: str(v) for k, v in spec["args"].items()},
+                    memory=str(spec["memory"]), link=str(spec["link"]).lower(),
+                    max_bandwidth=str(spec["max_bandwidth"]).lower(), repetitions=int(spec["repetitions"]),
+                    time_limit_s=float(spec["time_limit_s"]), warmup_s=float(spec["warmup_s"]),
+                    watch_s=float(spec["watch_s"]), downtime_limit_ms=int(spec["downtime_limit_ms"]),
+                    configs=list(spec["configs"]), tsubame_args=[str(a) for a in spec["tsubame_args"]])
+        case.link_bits()  # validate rates now, not in the middle of a run
+        case.bandwidth_bits()
+        parse_size(case.memory)
+        cases.append(case)
+    if not cases:
+        raise HarnessError(f"{path}: no [[case]] entries")
+    return cases, configs
+
+
+def guest_cmdline(case, tsc_khz):
+    """The guest command line exactly as `tsubame run` builds it: workload=W k=v ... tsc_khz=K."""
+    parts = [f"workload={case.workload}"] + [f"{k}={v}" for k, v in case.args.items()]
+    return " ".join(parts + [f"tsc_khz={tsc_khz}"])
+
+
+# --------------------------------------------------------------------------
+# Analysis of recorded lines (pure functions; tested in test_compare.py)
+
+
+def progress_points(lines):
+    """[(t, text)] -> [(t, ops)] for the guest's `tsb ops=N pass=M` lines."""
+    points = []
+    for t, text in lines:
+        m = PROGRESS_RE.match(text.strip())
+        if m:
+            points.append((t, int(m.group(1))))
+    return points
+
+
+def guest_errors(lines):
+    """The guest's error and exception lines."""
+    return [text.strip() for _, text in lines if GUEST_ERROR_RE.match(text.strip())]
+
+
+def ops_rate(points, t0, t1):
+    """Ops per second over the progress points with t0 <= t <= t1 (None if fewer than two)."""
+    inside = [(t, ops) for t, ops in points if t0 <= t <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def max_gap_ms(points, t0, t1):
+    """Largest gap between consecutive progress points inside [t0, t1], in ms (None if fewer than two)."""
+    times = [t for t, _ in points if t0 <= t <= t1]
+    if len(times) < 2:
+        return None
+    return max(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+def switchover(src_points, dst_points, t_start):
+    """Guest-observed downtime around the switch-over.
+
+    Returns (last source progress time, first destination progress time, gap in ms):
+    the last source line at or after migration start and the first destination
+    line after it. (None, None, None) if either side has no line."""
+    src = [t for t, _ in src_points if t >= t_start]
+    if not src or not dst_points:
+        return None, None, None
+    t_src_last = src[-1]
+    dst = [t for t, _ in dst_points if t >= t_src_last]
+    if not dst:
+        return t_src_last, None, None
+    return t_src_last, dst[0], (dst[0] - t_src_last) * 1e3
+
+
+def guest_downtime_ms(src_points, dst_points, t_src_last, t_dst_first, around_s=1.0):
+    """Largest gap between consecutive progress lines around the switch-over, in ms.
+
+    The source's lines up to its last one, then the destination's lines, taken within around_s
+    before the source's last line and after the destination's first line; so a stall just before
+    the pause or just after the resume counts too. At least the switch-over gap itself."""
+    if t_src_last is None or t_dst_first is None:
+        return None
+    times = [t for t, _ in src_points if t_src_last - around_s <= t <= t_src_last]
+    times += [t for t, _ in dst_points if t_dst_first <= t <= t_dst_first + around_s]
+    return max(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+def ops_continuous(src_points, dst_points):
+    """True when the destination's ops counter carries on from the source's (the guest's state moved)."""
+    if not src_points or not dst_points:
+        return False
+    return dst_points[0][1] >= src_points[-1][1]
+
+
+def qemu_figures(reply):
+    """The figures of a final `query-migrate` reply (QEMU 7.2)."""
+    ram = reply.get("ram", {})
+    return {
+        "status": reply.get("status"),
+        "error": reply.get("error-desc"),
+        "total_time_s": reply["total-time"] / 1e3 if "total-time" in reply else None,
+        "vmm_downtime_ms": float(reply["downtime"]) if "downtime" in reply else None,
+        "setup_time_ms": float(reply["setup-time"]) if "setup-time" in reply else None,
+        "iterations": ram.get("dirty-sync-count"),
+        "vmm_bytes": ram.get("transferred"),
+    }
+
+
+def tsubame_figures(stats):
+    """The figures of `tsubame migrate --json` statistics."""
+    return {
+        "status": stats.get("status"),
+        "error": stats.get("error"),
+        "total_time_s": stats["total_time_ms"] / 1e3 if "total_time_ms" in stats else None,
+        "vmm_downtime_ms": stats.get("downtime_ms"),
+        "setup_time_ms": stats.get("setup_time_ms"),
+        "iterations": stats.get("iterations"),
+        "vmm_bytes": stats.get("bytes_on_wire"),
+        "converged": stats.get("converged"),
+    }
+
+
+def parse_proc_stat(text):
+    """/proc/PID[/task/TID]/stat -> (comm, utime+stime in clock ticks)."""
+    head, _, rest = text.rpartition(")")
+    comm = head.partition("(")[2]
+    fields = rest.split()
+    # fields[0] is state (field 3); utime and stime are fields 14 and 15
+    return comm, int(fields[11]) + int(fields[12])
+
+
+# --------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class RunResult:
+    """One migration of one case under one configuration (one line of runs.jsonl)."""
+
+    case: str
+    config: str
+    vmm: str
+    repetition: int
+    started_at: str
+    memory: str
+    workload: str
+    link: str
+    max_bandwidth_bits: int | None
+    cmdline: str
+    status: str  # completed | failed | timeout
+    error: str | None = None
+    total_time_s: float | None = None  # the VMM's own figure
+    wall_time_s: float | None = None  # harness: migrate command -> seen completed
+    time_to_destination_s: float | None = None  # harness: migrate command -> first destination progress line
+    vmm_downtime_ms: float | None = None
+    guest_downtime_ms: float | None = None  # largest gap between progress lines around the switch-over
+    switchover_gap_ms: float | None = None  # last source progress line -> first destination line
+    max_source_gap_ms: float | None = None  # largest gap between source lines during the migration
+    setup_time_ms: float | None = None
+    bytes_on_wire: int | None = None  # source-side tx_bytes delta
+    vmm_bytes: int | None = None  # the VMM's own figure
+    cpu_source_s: float | None = None  # utime+stime of the source process, migration start -> end
+    cpu_destination_s: float | None = None
+    cpu_source_vcpu_s: float | None = None  # of that, the vCPU threads (the guest's own work)
+    cpu_destination_vcpu_s: float | None = None
+    iterations: int | None = None
+    converged: bool | None = None
+    ops_per_sec_before: float | None = None
+    ops_per_sec_during: float | None = None
+    ops_per_sec_after: float | None = None
+    ops_continuous: bool | None = None
+    destination_progress_lines: int = 0
+    guest_banner_source: str | None = None
+    timeline: dict = field(default_factory=dict)  # {"source": [[t, ops]], "destination": [...]}, t from migration start
+    migration_end_s: float | None = None  # from migration start, for the plots
+    vmm_stats: dict = field(default_factory=dict)  # the VMM's raw final statistics
+
+
+# --------------------------------------------------------------------------
+# Processes and their output
+
+
+class LineLog:
+    """Lines of text with the harness's time.monotonic() of arrival; filled by a reader thread."""
+
+    def __init__(self):
+        self.lines = []
+        self.lock = threading.Lock()
+
+    def add(self, text):
+        t = time.monotonic()
+        with self.lock:
+            self.lines.append((t, text.rstrip("\r\n")))
+
+    def snapshot(self):
+        with self.lock:
+            return list(self.lines)
+
+    def follow(self, stream):
+        """Reads a binary stream line by line until EOF (run in a thread)."""
+        def loop():
+            try:
+                for raw in iter(stream.readline, b""):
+                    self.add(raw.decode("utf-8", "replace"))
+            except (OSError, ValueError):
+                pass
+        threading.Thread(target=loop, daemon=True).start()
+
+
+class Proc:
+    """A child process in its own session; stdout followed into a LineLog, stderr into a log file."""
+
+    def __init__(self, name, cmd, log_path, capture_stdout=False):
+        self.name = name
+        self.cmd = cmd
+        self.out = LineLog()
+        self.log_path = log_path
+        self.log_file = open(log_path, "wb")
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE if capture_stdout else self.log_file,
+                                      stderr=self.log_file, start_new_session=True)
+        if capture_stdout:
+            self.out.follow(self.popen.stdout)
+        PROCESSES.append(self)
+
+    @property
+    def pid(self):
+        return self.popen.pid
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def stderr_tail(self, n=3):
+        """The last lines of the process's stderr log, joined (for error messages)."""
+        try:
+            self.log_file.flush()
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").strip().splitlines()
+            return " | ".join(lines[-n:])
+        except OSError:
+            return ""
+
+    def wait(self, timeout):
+        """Waits up to timeout seconds; True if the process has exited."""
+        try:
+            self.popen.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop(self, grace_s=5):
+        """SIGTERM to its process group, then SIGKILL after grace_s."""
+        if self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            if not self.wait(grace_s):
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.wait(5)
+        if self.popen.stdout:
+            self.popen.stdout.close()
+        self.log_file.close()
+
+
+PROCESSES = []  # every Proc started, so that cleanup can stop them all
+
+
+def stop_process(p):
+    """Stops one Proc and forgets it."""
+    p.stop()
+    if p in PROCESSES:
+        PROCESSES.remove(p)
+
+
+def stop_all_processes():
+    while PROCESSES:
+        p = PROCESSES.pop()
+        try:
+            p.stop(grace_s=3)
+        except Exception as e:  # keep cleaning up the others
+            print(f"compare: could not stop {p.name} (pid {p.pid}): {e}", file=sys.stderr)
+
+
+def wait_for_path(path, timeout_s, proc):
+    """Waits until path exists; fails if proc dies first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if not proc.alive():
+            raise HarnessError(f"{proc.name} exited (status {proc.popen.returncode}) before creating "
+                               f"{os.path.basename(path)}: {proc.stderr_tail()}")
+        if time.monotonic() > deadline:
+            raise HarnessError(f"{proc.name} did not create {os.path.basename(path)} within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def connect_unix(path, timeout_s, proc):
+    """A connected AF_UNIX stream socket to path, retrying until the server listens."""
+    wait_for_path(path, timeout_s, proc)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline or not proc.alive():
+                raise HarnessError(f"cannot connect to {proc.name}'s socket {path}") from None
+            time.sleep(0.05)
+
+
+def follow_console_socket(path, proc):
+    """A LineLog fed from QEMU's debugcon chardev socket."""
+    sock = connect_unix(path, 10, proc)
+    log = LineLog()
+    log.follow(sock.makefile("rb"))
+    return log
+
+
+# --------------------------------------------------------------------------
+# CPU sampling from /proc
+
+
+def read_cpu_ticks(pid):
+    """(process utime+stime, {tid: (comm, ticks)}) in clock ticks, or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            _, total = parse_proc_stat(f.read())
+        threads = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    threads[int(tid)] = parse_proc_stat(f.read())
+            except (OSError, IndexError, ValueError):
+                pass  # the thread exited meanwhile
+        return total, threads
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class CpuSampler:
+    """Samples a process's CPU ticks: the first sample is the baseline, each later one the latest value.
+
+    The delta between them is the process's CPU-seconds over the window. A process that exits keeps
+    its last sample (taken at most POLL_S before); a thread that exits keeps its last seen ticks (the
+    vCPU thread of tsubame's source ends before the process does)."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.first = None  # (total ticks, {tid: (comm, ticks)})
+        self.last_total = None
+        self.threads = {}  # tid -> (comm, ticks) last seen
+
+    def sample(self):
+        s = read_cpu_ticks(self.pid)
+        if s is None:
+            return
+        if self.first is None:
+            self.first = s
+        self.last_total = s[0]
+        self.threads.update(s[1])
+
+    def seconds(self):
+        """(CPU-seconds of the process, CPU-seconds of its vCPU threads) over the window."""
+        if self.first is None:
+            return None, None
+        total = (self.last_total - self.first[0]) / CLK_TCK
+        vcpu = 0
+        for tid, (comm, ticks) in self.threads.items():
+            if VCPU_THREAD_RE.match(comm):
+                base = self.first[1].get(tid, (comm, 0))[1]  # a thread born later started from zero
+                vcpu += ticks - base
+        return total, vcpu / CLK_TCK
+
+
+# --------------------------------------------------------------------------
+# Network namespaces
+
+
+def sh(*cmd, check=True):
+    """Runs a short command; HarnessError with its stderr when it fails and check is set."""
+    p = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise HarnessError(f"`{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}")
+    return p.stdout
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def remove_stale_namespaces():
+    """Deletes tsb-<pid>-* namespaces and tsb<pid>s/d veths left by an earlier harness that is no longer running."""
+    for line in sh("ip", "netns", "list", check=False).splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = NS_NAME_RE.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            print(f"compare: removing stale namespace {name}", file=sys.stderr)
+            sh("ip", "netns", "del", name, check=False)
+    for line in sh("ip", "-o", "link", "show", check=False).splitlines():
+        parts = line.split(":")
+        if len(parts) > 1:
+            dev = parts[1].strip().split("@")[0]
+            m = VETH_NAME_RE.match(dev)
+            if m and not pid_alive(int(m.group(1))):
+                sh("ip", "link", "del", dev, check=False)
+
+
+class Link:
+    """The network of one run: two namespaces and a shaped veth pair, or one namespace's loopback."""
+
+    def __init__(self, rate_bits):
+        pid = os.getpid()
+        self.rate_bits = rate_bits
+        self.namespaces = []
+        self.veths = []
+        if rate_bits is None:
+            self.src_ns = self.dst_ns = f"tsb-{pid}-lo"
+            self.src_dev = "lo"
+            self.dst_ip = "127.0.0.1"
+        else:
+            self.src_ns, self.dst_ns = f"tsb-{pid}-src", f"tsb-{pid}-dst"
+            self.src_dev, self.dst_dev = f"tsb{pid}s", f"tsb{pid}d"
+            self.src_ip, self.dst_ip = "10.201.0.1", "10.201.0.2"
+        ACTIVE_LINKS.append(self)
+
+    def setup(self):
+        for ns in dict.fromkeys([self.src_ns, self.dst_ns]):
+            sh("ip", "netns", "add", ns)
+            self.namespaces.append(ns)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        if self.rate_bits is None:
+            return
+        sh("ip", "link", "add", self.src_dev, "type", "veth", "peer", "name", self.dst_dev)
+        self.veths.append(self.src_dev)
+        burst = tbf_burst_bytes(self.rate_bits)
+        for dev, ns, ip in ((self.src_dev, self.src_ns, self.src_ip), (self.dst_dev, self.dst_ns, self.dst_ip)):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+               "rate", str(self.rate_bits), "burst", str(burst), "latency", "50ms")
+        self.veths.clear()  # moved into the namespaces: deleting those deletes the pair
+
+    def tx_bytes(self):
+        """Bytes sent by the source side so far (veth or lo counter)."""
+        out = sh("ip", "netns", "exec", self.src_ns, "cat", f"/sys/class/net/{self.src_dev}/statistics/tx_bytes")
+        return int(out.strip())
+
+    def netns_exec(self, ns):
+        return ["ip", "netns", "exec", ns]
+
+    def teardown(self):
+        for dev in self.veths:
+            sh("ip", "link", "del", dev, check=False)
+        self.veths.clear()
+        while self.namespaces:
+            sh("ip", "netns", "del", self.namespaces.pop(), check=False)
+        if self in ACTIVE_LINKS:
+            ACTIVE_LINKS.remove(self)
+
+
+ACTIVE_LINKS = []
+
+
+# --------------------------------------------------------------------------
+# QMP and tsubame's control socket
+
+
+class Qmp:
+    """A minimal QMP client over a unix socket."""
+
+    def __init__(self, path, proc, name):
+        self.name = name
+        self.sock = connect_unix(path, 10, proc)
+        self.sock.settimeout(30)
+        self.reader = self.sock.makefile("rb")
+        greeting = self._read()
+        if "QMP" not in greeting:
+            raise HarnessError(f"{name}: unexpected QMP greeting {greeting}")
+        self.execute("qmp_capabilities")
+
+    def _read(self):
+        line = self.reader.readline()
+        if not line:
+            raise HarnessError(f"{self.name}: QMP connection closed (QEMU exited?)")
+        return json.loads(line)
+
+    def execute(self, command, **arguments):
+        msg = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        while True:
+            reply = self._read()
+            if "event" in reply:
+                continue
+            if "error" in reply:
+                raise HarnessError(f"{self.name}: QMP {command} failed: {reply['error'].get('desc')}")
+            return reply.get("return")
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def control_request(path, request, timeout_s=5):
+    """One request on tsubame's JSON-lines control socket -> the reply object."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        s.sendall(json.dumps(request).encode() + b"\n")
+        return json.loads(s.makefile("rb").readline())
+
+
+# --------------------------------------------------------------------------
+# One run
+
+
+@dataclass
+class Env:
+    """What every run needs: binaries, the guest, the TSC rate, where to put sockets and logs."""
+
+    tsubame: str
+    qemu: str
+    guest_elf: str
+    tsc_khz: int
+    sock_dir: str
+    log_dir: str
+
+
+def wait_for_progress(log, proc, what, timeout_s=30):
+    """Waits for the first progress line in log; fails on a guest error or a dead process."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = log.snapshot()
+        errors = guest_errors(lines)
+        if errors:
+            raise HarnessError(f"{what}: guest error: {errors[0]}")
+        if progress_points(lines):
+            return
+        if not proc.alive():
+            raise HarnessError(f"{what}: process exited (status {proc.popen.returncode}) before the guest "
+                               f"printed progress: {proc.stderr_tail()}")
+        if time.monotonic() > deadline:
+            raise HarnessError(f"{what}: no progress line from the guest within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def check_banner(log, what, tsc_khz):
+    """The guest's first line must show it took tsc_khz from the command line."""
+    lines = [text for _, text in log.snapshot() if text.startswith("tsubame-guest:")]
+    if not lines:
+        raise HarnessError(f"{what}: the guest printed no banner line")
+    banner = lines[0]
+    if f"tsc_khz={tsc_khz} (cmdline)" not in banner:
+        raise HarnessError(f"{what}: the guest did not take tsc_khz={tsc_khz} from its command line: {banner}")
+    return banner
+
+
+def watch_destination(dst_log, src_log, t_end, watch_s, what):
+    """Watches the destination for watch_s after the migration; fails unless it keeps printing progress."""
+    time.sleep(watch_s)
+    errors = guest_errors(dst_log.snapshot()) + guest_errors(src_log.snapshot())
+    if errors:
+        raise HarnessError(f"{what}: guest error after migration: {errors[0]}")
+    after = [t for t, _ in progress_points(dst_log.snapshot()) if t > t_end]
+    if len(after) < 2:
+        raise HarnessError(f"{what}: the destination printed {len(after)} progress line(s) in the "
+                           f"{watch_s:.0f} s after the migration completed")
+
+
+def wait_for_destination(dst_log, t_start, samplers, timeout_s):
+    """After the VMM reported completion: waits until the destination's guest printed progress
+    (QEMU's source reports `completed` before its destination has loaded the last state), sampling
+    CPU meanwhile, so that the CPU window ends with the guest running at the destination."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(t >= t_start for t, _ in progress_points(dst_log.snapshot())):
+            break
+        for sampler in samplers:
+            sampler.sample()
+        time.sleep(0.02)
+    for sampler in samplers:
+        sampler.sample()
+
+
+def save_console(log, path, t0):
+    """Writes a console's lines as 'seconds-from-t0<TAB>text' (the format of bench/testdata/*-console.txt)."""
+    with open(path, "w") as f:
+        for t, text in log.snapshot():
+            f.write(f"{t - t0:.4f}\t{text}\n")
+
+
+def read_console(path):
+    """Reads a file written by save_console -> [(t, text)]."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            t, _, text = line.rstrip("\n").partition("\t")
+            lines.append((float(t), text))
+    return lines
+
+
+def fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, log_prefix):
+    """Guest-observed downtime, ops/s and the timeline, from the two timestamped line logs."""
+    save_console(src_log, f"{log_prefix}-src-console.txt", t_start)
+    save_console(dst_log, f"{log_prefix}-dst-console.txt", t_start)
+    src = [p for p in progress_points(src_log.snapshot()) if p[0] <= t_end]  # a timed-out source runs on
+    dst = progress_points(dst_log.snapshot())
+    t_src_last, t_dst_first, gap = switchover(src, dst, t_start)
+    result.switchover_gap_ms = gap
+    result.time_to_destination_s = None if t_dst_first is None else t_dst_first - t_start
+    result.guest_downtime_ms = guest_downtime_ms(src, dst, t_src_last, t_dst_first)
+    result.max_source_gap_ms = max_gap_ms(src, t_start, t_src_last if t_src_last else t_end)
+    result.ops_per_sec_before = ops_rate(src, t_start - case.warmup_s / 2, t_start)  # after first-touch faults
+    result.ops_per_sec_during = ops_rate(src, t_start, t_src_last if t_src_last else t_end)
+    if t_dst_first is not None:
+        result.ops_per_sec_after = ops_rate(dst, t_dst_first, t_dst_first + case.watch_s)
+    result.ops_continuous = ops_continuous([p for p in src if p[0] <= (t_src_last or t_end)], dst)
+    result.destination_progress_lines = len(dst)
+    result.migration_end_s = round(t_end - t_start, 4)
+    result.timeline = {
+        "source": [[round(t - t_start, 4), ops] for t, ops in src if t >= t_start - case.warmup_s],
+        "destination": [[round(t - t_start, 4), ops] for t, ops in dst],
+    }
+
+
+def new_result(case, config, rep, env):
+    return RunResult(case=case.name, config=config.name, vmm=config.vmm, repetition=rep,
+                     started_at=datetime.datetime.now().isoformat(timespec="seconds"), memory=case.memory,
+                     workload=case.workload, link=case.link, max_bandwidth_bits=case.bandwidth_bits(),
+                     cmdline=guest_cmdline(case, env.tsc_khz), status="failed")
+
+
+def qemu_command(env, case, tag, incoming):
+    cmd = [env.qemu, "-name", f"tsb-{tag},debug-threads=on",  # names the vCPU thread "CPU 0/KVM"
+           "-enable-kvm", "-cpu", "host", "-m", case.memory, "-nodefaults", "-nographic",
+           "-kernel", env.guest_elf, "-append", guest_cmdline(case, env.tsc_khz),
+           "-chardev", f"socket,id=d,path={env.sock_dir}/{tag}-con.sock,server=on,wait=off",
+           "-device", "isa-debugcon,iobase=0xe9,chardev=d",
+           "-qmp", f"unix:{env.sock_dir}/{tag}-qmp.sock,server=on,wait=off"]
+    return cmd + (["-incoming", "defer"] if incoming else ["-S"])  # the source starts paused: no line is lost
+
+
+def qemu_migration_settings(case, config):
+    """(capabilities list for migrate-set-capabilities, parameters dict for migrate-set-parameters)."""
+    caps = [{"capability": c, "state": True} for c in config.capabilities]
+    bits = case.bandwidth_bits()
+    # QEMU 7.2's default max-bandwidth is 128 MiB/s: always set it; "unlimited" is 1 TB/s.
+    params = {"max-bandwidth": int(bits / 8) if bits else 10**12, "downtime-limit": case.downtime_limit_ms}
+    params.update(config.parameters)
+    return caps, params
+
+
+def run_qemu(case, config, rep, env, link, run_tag):
+    result = new_result(case, config, rep, env)
+    what = f"{case.name}/{config.name}#{rep}"
+    for tag in ("src", "dst"):
+        for kind in ("con", "qmp"):
+            if os.path.exists(f"{env.sock_dir}/{tag}-{kind}.sock"):
+                os.unlink(f"{env.sock_dir}/{tag}-{kind}.sock")
+    caps, params = qemu_migration_settings(case, config)
+    uri = f"tcp:{link.dst_ip}:{MIGRATION_PORT}"
+    src = dst = src_qmp = dst_qmp = None
+    try:
+        dst = Proc(f"{what} QEMU destination", link.netns_exec(link.dst_ns) + qemu_command(env, case, "dst", True),
+                   os.path.join(env.log_dir, f"{run_tag}-dst.log"))
+        src = Proc(f"{what} QEMU source", link.netns_exec(link.src_ns) + qemu_command(env, case, "src", False),
+                   os.path.join(env.log_dir, f"{run_tag}-src.log"))
+        dst_log = follow_console_socket(f"{env.sock_dir}/dst-con.sock", dst)
+        src_log = follow_console_socket(f"{env.sock_dir}/src-con.sock", src)
+        dst_qmp = Qmp(f"{env.sock_dir}/dst-qmp.sock", dst, f"{what} destination")
+        src_qmp = Qmp(f"{env.sock_dir}/src-qmp.sock", src, f"{what} source")
+        for qmp in (dst_qmp, src_qmp):
+            if caps:
+                qmp.execute("migrate-set-capabilities", capabilities=caps)
+            qmp.execute("migrate-set-parameters", **params)
+        dst_qmp.execute("migrate-incoming", uri=uri)
+        src_qmp.execute("cont")
+        wait_for_progress(src_log, src, f"{what} source")
+        result.guest_banner_source = check_banner(src_log, f"{what} source", env.tsc_khz)
+        time.sleep(case.warmup_s)
+
+        cpu_src, cpu_dst = CpuSampler(src.pid), CpuSampler(dst.pid)
+        tx0 = link.tx_bytes()
+        cpu_src.sample(), cpu_dst.sample()
+        t_start = time.monotonic()
+        src_qmp.execute("migrate", uri=uri)
+        while True:
+            time.sleep(POLL_S)
+            cpu_src.sample(), cpu_dst.sample()
+            reply = src_qmp.execute("query-migrate")
+            if reply.get("status") in ("completed", "failed", "cancelled"):
+                break
+            if time.monotonic() - t_start > case.time_limit_s:
+                src_qmp.execute("migrate_cancel")
+                break
+        t_end = time.monotonic()
+        if reply.get("status") == "completed":
+            wait_for_destination(dst_log, t_start, [cpu_src, cpu_dst], case.watch_s)
+        cpu_src.sample(), cpu_dst.sample()
+        result.bytes_on_wire = link.tx_bytes() - tx0
+        result.wall_time_s = t_end - t_start
+        result.vmm_stats = reply
+        figures = qemu_figures(reply)
+        for key in ("total_time_s", "vmm_downtime_ms", "setup_time_ms", "iterations", "vmm_bytes"):
+            setattr(result, key, figures[key])
+        result.cpu_source_s, result.cpu_source_vcpu_s = cpu_src.seconds()
+        result.cpu_destination_s, result.cpu_destination_vcpu_s = cpu_dst.seconds()
+        if reply.get("status") == "completed":
+            result.status, result.converged = "completed", True
+        elif reply.get("status") in ("failed",):
+            result.error = f"QEMU migration failed: {reply.get('error-desc', 'no error-desc')}"
+            raise HarnessError(f"{what}: {result.error}")
+        else:
+            result.status, result.converged = "timeout", False
+            result.total_time_s = result.wall_time_s
+            result.error = f"not completed within {case.time_limit_s:.0f} s (QEMU status {reply.get('status')})"
+            fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
+            return result
+        watch_destination(dst_log, src_log, t_end, case.watch_s, what)
+        state = dst_qmp.execute("query-status")
+        if state.get("status") != "running":
+            raise HarnessError(f"{what}: QEMU destination is '{state.get('status')}', not running, after migration")
+        fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
+        return result
+    finally:
+        for qmp in (src_qmp, dst_qmp):
+            if qmp is not None:
+                try:
+                    qmp.execute("quit")
+                except (HarnessError, OSError, ValueError):
+                    pass
+                qmp.close()
+        for p in (src, dst):
+            if p is not None:
+                p.wait(5)
+                stop_process(p)
+
+
+def run_tsubame(case, config, rep, env, link, run_tag):
+    result = new_result(case, config, rep, env)
+    what = f"{case.name}/{config.name}#{rep}"
+    src_ctl, dst_ctl = f"{env.sock_dir}/src.sock", f"{env.sock_dir}/dst.sock"
+    stats_path = os.path.join(env.sock_dir, "migrate.json")
+    for path in (src_ctl, dst_ctl, stats_path):
+        if os.path.exists(path):
+            os.unlink(path)
+    to = f"tcp:{link.dst_ip}:{MIGRATION_PORT}"
+    run_cmd = [env.tsubame, "run", "--memory", case.memory, "--workload", case.workload, "--control", src_ctl]
+    for k, v in case.args.items():
+        run_cmd += ["--workload-arg", f"{k}={v}"]
+    src = dst = migrate = None
+    try:
+        dst = Proc(f"{what} tsubame receive",
+                   link.netns_exec(link.dst_ns) + [env.tsubame, "receive", "--listen", to, "--once",
+                                                   "--memory", case.memory, "--control", dst_ctl],
+                   os.path.join(env.log_dir, f"{run_tag}-dst.log"), capture_stdout=True)
+        src = Proc(f"{what} tsubame run", link.netns_exec(link.src_ns) + run_cmd,
+                   os.path.join(env.log_dir, f"{run_tag}-src.log"), capture_stdout=True)
+        wait_for_path(dst_ctl, 10, dst)
+        wait_for_path(src_ctl, 10, src)
+        wait_for_progress(src.out, src, f"{what} source")
+        result.guest_banner_source = check_banner(src.out, f"{what} source", env.tsc_khz)
+        time.sleep(case.warmup_s)
+
+        migrate_cmd = [env.tsubame, "migrate", "--control", src_ctl, "--to", to,
+                       "--downtime-limit", str(case.downtime_limit_ms), "--json", stats_path]
+        bits = case.bandwidth_bits()
+        if bits:
+            migrate_cmd += ["--max-bandwidth", tsubame_rate_arg(bits)]
+        migrate_cmd += case.tsubame_args + config.args
+        cpu_src, cpu_dst = CpuSampler(src.pid), CpuSampler(dst.pid)
+        tx0 = link.tx_bytes()
+        cpu_src.sample(), cpu_dst.sample()
+        t_start = time.monotonic()
+        migrate = Proc(f"{what} tsubame migrate", link.netns_exec(link.src_ns) + migrate_cmd,
+                       os.path.join(env.log_dir, f"{run_tag}-migrate.log"))
+        timed_out = False
+        while migrate.alive():
+            time.sleep(POLL_S)
+            cpu_src.sample(), cpu_dst.sample()
+            if time.monotonic() - t_start > case.time_limit_s:
+                timed_out = True
+                break
+        t_end = time.monotonic()
+        if not timed_out and migrate.popen.returncode == 0:
+            wait_for_destination(dst.out, t_start, [cpu_src, cpu_dst], case.watch_s)
+        cpu_src.sample(), cpu_dst.sample()
+        result.bytes_on_wire = link.tx_bytes() - tx0
+        result.wall_time_s = t_end - t_start
+        result.cpu_source_s, result.cpu_source_vcpu_s = cpu_src.seconds()
+        result.cpu_destination_s, result.cpu_destination_vcpu_s = cpu_dst.seconds()
+        if timed_out:
+            result.status, result.converged = "timeout", False
+            result.total_time_s = result.wall_time_s
+            result.error = f"not completed within {case.time_limit_s:.0f} s"
+            fill_guest_figures(result, src.out, dst.out, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
+            return result
+        if not os.path.exists(stats_path):
+            raise HarnessError(f"{what}: tsubame migrate exited {migrate.popen.returncode} without statistics: "
+                               f"{migrate.stderr_tail()}")
+        with open(stats_path) as f:
+            stats = json.load(f)
+        result.vmm_stats = stats
+        figures = tsubame_figures(stats)
+        for key in ("total_time_s", "vmm_downtime_ms", "setup_time_ms", "iterations", "vmm_bytes", "converged"):
+            setattr(result, key, figures[key])
+        if stats.get("status") != "completed" or migrate.popen.returncode != 0:
+            result.error = f"tsubame migration failed: {stats.get('error') or migrate.stderr_tail()}"
+            raise HarnessError(f"{what}: {result.error}")
+        result.status = "completed"
+        watch_destination(dst.out, src.out, t_end, case.watch_s, what)
+        fill_guest_figures(result, src.out, dst.out, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
+        return result
+    finally:
+        if dst is not None and dst.alive() and os.path.exists(dst_ctl):
+            try:
+                control_request(dst_ctl, {"cmd": "quit"})
+            except (OSError, ValueError):
+                pass
+        # after a completed migration the source exits by itself
+        if src is not None and src.alive() and not src.wait(5 if result.status == "completed" else 0.1):
+            try:
+                control_request(src_ctl, {"cmd": "quit"})
+            except (OSError, ValueError):
+                pass
+        for p in (migrate, src, dst):
+            if p is not None:
+                p.wait(5)
+                stop_process(p)
+
+
+def run_one(case, config, rep, env):
+    """Builds the link, runs one migration, tears the link down. Returns a RunResult or raises HarnessError."""
+    run_tag = f"{case.name}-{config.name}-{rep}"
+    link = Link(case.link_bits())
+    try:
+        link.setup()
+        if config.vmm == "qemu":
+            return run_qemu(case, config, rep, env, link, run_tag)
+        return run_tsubame(case, config, rep, env, link, run_tag)
+    finally:
+        link.teardown()
+
+
+# --------------------------------------------------------------------------
+# Table
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b):
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# (column title, RunResult field, scale, format)
+METRICS = [
+    ("total (s)", "total_time_s", 1, "{:.2f}"),
+    ("until guest runs at dst (s)", "time_to_destination_s", 1, "{:.2f}"),
+    ("VMM downtime (ms)", "vmm_downtime_ms", 1, "{:.0f}"),
+    ("guest downtime (ms)", "guest_downtime_ms", 1, "{:.0f}"),
+    ("MiB on wire", "bytes_on_wire", 1 / 2**20, "{:.0f}"),
+    ("CPU-s src", "cpu_source_s", 1, "{:.2f}"),
+    ("CPU-s src w/o vCPU", "cpu_source_migration_s", 1, "{:.2f}"),
+    ("CPU-s dst", "cpu_destination_s", 1, "{:.2f}"),
+    ("iterations", "iterations", 1, "{:.0f}"),
+    ("Mops/s before", "ops_per_sec_before", 1e-6, "{:.2f}"),
+    ("Mops/s during", "ops_per_sec_during", 1e-6, "{:.2f}"),
+    ("Mops/s after", "ops_per_sec_after", 1e-6, "{:.2f}"),
+]
+RATIO_METRICS = ["total_time_s", "time_to_destination_s", "vmm_downtime_ms", "guest_downtime_ms", "bytes_on_wire", "cpu_source_s",
+                 "cpu_source_migration_s", "cpu_destination_s", "ops_per_sec_during"]
+
+
+def metric(run, key):
+    """A figure of a run (a dict from runs.jsonl); derived ones computed here."""
+    if key == "cpu_source_migration_s":
+        if run.get("cpu_source_s") is None or run.get("cpu_source_vcpu_s") is None:
+            return None
+        return run["cpu_source_s"] - run["cpu_source_vcpu_s"]
+    return run.get(key)
+
+
+def group_runs(runs):
+    """{case: {config: [runs]}} in first-seen order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(r["case"], {}).setdefault(r["config"], []).append(r)
+    return groups
+
+
+def summarize(runs):
+    """Medians of each metric over a config's completed runs, plus counts.
+
+    Timed-out runs count in `runs` but not in the medians; when none completed, `limit_s`
+    holds the time spent until the limit (the table shows it as ">N")."""
+    done = [r for r in runs if r["status"] == "completed"]
+    summary = {key: median([metric(r, key) for r in done]) for _, key, _, _ in METRICS}
+    summary["limit_s"] = None if done else median([r.get("total_time_s") for r in runs])
+    summary["runs"] = len(runs)
+    summary["completed"] = len(done)
+    summary["converged"] = sum(1 for r in runs if r.get("converged"))
+    summary["vmm"] = runs[0]["vmm"]
+    return summary
+
+
+def ratio_rows(runs):
+    """[(case, tsubame config, QEMU config, {metric: tsubame median / QEMU median or None})] for every pair."""
+    rows = []
+    for case, configs in group_runs(runs).items():
+        summaries = {name: summarize(rs) for name, rs in configs.items()}
+        for tname, ts in summaries.items():
+            if ts["vmm"] != "tsubame":
+                continue
+            for qname, qs in summaries.items():
+                if qs["vmm"] == "qemu":
+                    rows.append((case, tname, qname, {k: ratio(ts[k], qs[k]) for k in RATIO_METRICS}))
+    return rows
+
+
+def fmt(value, scale=1, pattern="{:.2f}"):
+    return "–" if value is None else pattern.format(value * scale)
+
+
+def make_table(runs):
+    """Markdown: one row per case and config with medians, then tsubame/QEMU ratios per case."""
+    out = ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
+           "|---|---|---|---|" + "---|" * len(METRICS)]
+    for case, configs in group_runs(runs).items():
+        for config, rs in configs.items():
+            s = summarize(rs)
+            cells = [fmt(s[key], scale, pattern) for _, key, scale, pattern in METRICS]
+            if s["limit_s"] is not None:
+                cells[0] = f">{s['limit_s']:.0f}"
+            out.append(f"| {case} | {config} | {s['completed']}/{s['runs']} | {s['converged']}/{s['runs']} | "
+                       + " | ".join(cells) + " |")
+    titles = {key: title.replace(" (s)", "").replace(" (ms)", "") for title, key, _, _ in METRICS}
+    out += ["", "Ratios tsubame / QEMU of the medians over completed runs (below 1: tsubame lower; "
+            "for Mops/s during, above 1: the guest ran faster under tsubame; –: a side has no completed run):", "",
+            "| case | tsubame | QEMU | " + " | ".join(titles[k] for k in RATIO_METRICS) + " |",
+            "|---|---|---|" + "---|" * len(RATIO_METRICS)]
+    for case, tname, qname, ratios in ratio_rows(runs):
+        out.append(f"| {case} | {tname} | {qname} | " + " | ".join(fmt(ratios[k]) for k in RATIO_METRICS) + " |")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------
+# Plots
+
+
+VMM_COLORS = {"qemu": ["#4c72b0", "#64b5cd", "#8172b3", "#937860", "#8c8c8c"],
+              "tsubame": ["#dd8452", "#c44e52", "#da8bc3", "#ccb974"]}
+
+
+def config_colors(configs_with_vmm):
+    """{config: color}: blues for QEMU configs, oranges/reds for tsubame ones."""
+    used = {"qemu": 0, "tsubame": 0}
+    colors = {}
+    for name, vmm in configs_with_vmm:
+        palette = VMM_COLORS[vmm]
+        colors[name] = palette[used[vmm] % len(palette)]
+        used[vmm] += 1
+    return colors
+
+
+def timeline_rates(points, span=4):
+    """[(t, ops)] -> [(t, ops/s)] with each rate over `span` consecutive line gaps (smooths the 50 ms cadence)."""
+    rates = []
+    for i in range(span, len(points)):
+        t0, o0 = points[i - span]
+        t1, o1 = points[i]
+        if t1 > t0:
+            rates.append(((t0 + t1) / 2, (o1 - o0) / (t1 - t0)))
+    return rates
+
+
+def plot_case(case, runs, out_dir):
+    """Writes <case>-bars.png and <case>-timeline.png; returns their paths."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HarnessError("matplotlib missing: pip install -r bench/requirements.txt (or pass --no-plots)") from None
+
+    configs = group_runs(runs)[case]
+    colors = config_colors([(name, rs[0]["vmm"]) for name, rs in configs.items()])
+    names = list(configs)
+    summaries = {n: summarize(rs) for n, rs in configs.items()}
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    panels = [
+        (axes[0][0], "total time (s)", [("total_time_s", 1, "")]),
+        (axes[0][1], "downtime (ms)", [("vmm_downtime_ms", 1, "VMM"), ("guest_downtime_ms", 1, "guest")]),
+        (axes[1][0], "MiB on the wire", [("bytes_on_wire", 1 / 2**20, "")]),
+        (axes[1][1], "CPU-seconds", [("cpu_source_s", 1, "src"), ("cpu_source_migration_s", 1, "src w/o vCPU"),
+                                     ("cpu_destination_s", 1, "dst")]),
+    ]
+    for ax, title, series in panels:
+        width = 0.8 / len(series)
+        for j, (key, scale, label) in enumerate(series):
+            for i, name in enumerate(names):
+                value = summaries[name][key]
+                x = i + (j - (len(series) - 1) / 2) * width
+                if value is None:
+                    ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=8)
+                    continue
+                ax.bar(x, value * scale, width * 0.95, color=colors[name], alpha=1.0 - 0.3 * j,
+                       edgecolor="black", linewidth=0.5, hatch=["", "//", ".."][j])
+                ax.text(x, value * scale, f"{value * scale:.3g}" + (f"\n{label}" if label else ""),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([f"{n}\n({summaries[n]['completed']}/{summaries[n]['runs']} done)" for n in names],
+                           fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.margins(y=0.25)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{case}: medians over completed runs (tsubame vs QEMU 7.2)", fontsize=11)
+    fig.tight_layout()
+    bars_path = os.path.join(out_dir, f"{case}-bars.png")
+    fig.savefig(bars_path, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 2.4 * len(names) + 0.8), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        run = configs[name][0]  # first repetition
+        src = timeline_rates(run["timeline"].get("source", []))
+        dst = timeline_rates(run["timeline"].get("destination", []))
+        if src:
+            ax.plot([t for t, _ in src], [r / 1e6 for _, r in src], color=colors[name], label="source")
+        if dst:
+            ax.plot([t for t, _ in dst], [r / 1e6 for _, r in dst], color="black", label="destination")
+        ax.axvline(0, color="gray", linestyle="--", linewidth=1)
+        if run.get("migration_end_s") is not None:
+            ax.axvline(run["migration_end_s"], color="gray", linestyle=":", linewidth=1)
+        gd = run.get("guest_downtime_ms")
+        ax.set_title(f"{name} (run {run['repetition']}): {run['status']}, total {fmt(run.get('total_time_s'))} s, "
+                     f"guest downtime {fmt(gd, 1, '{:.0f}')} ms", fontsize=9)
+        ax.set_ylabel("Mops/s", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[-1, 0].set_xlabel("seconds from migration start (dashed: start, dotted: end)")
+    fig.suptitle(f"{case}: guest throughput across the migration", fontsize=11)
+    fig.tight_layout()
+    timeline_path = os.path.join(out_dir, f"{case}-timeline.png")
+    fig.savefig(timeline_path, dpi=110)
+    plt.close(fig)
+    return bars_path, timeline_path
+
+
+# --------------------------------------------------------------------------
+# Setup and main
+
+
+def read_tsc_khz(tsubame):
+    """The host TSC rate as tsubame reads it from KVM (its guest's banner line)."""
+    p = subprocess.run([tsubame, "run", "--memory", "16M", "--workload", "idle", "--seconds", "0.3"],
+                       capture_output=True, text=True, timeout=30)
+    first = p.stdout.splitlines()[0] if p.stdout else ""
+    m = TSC_KHZ_RE.search(first)
+    if p.returncode != 0 or not m:
+        raise HarnessError(f"cannot read tsc_khz from `tsubame run`: {first or p.stderr.strip()}")
+    return int(m.group(1))
+
+
+def check_prerequisites(args):
+    if os.geteuid() != 0:
+        raise HarnessError("needs root (ip netns, tc); run with sudo")
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        raise HarnessError("/dev/kvm is not usable")
+    if not os.path.exists(args.tsubame):
+        raise HarnessError(f"{args.tsubame} not found: run `cargo build --release` first")
+    if not shutil.which(args.qemu):
+        raise HarnessError(f"{args.qemu} not found: apt-get install qemu-system-x86")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise HarnessError("matplotlib missing: pip install -r bench/requirements.txt (or pass --no-plots)") \
+                from None
+
+
+def on_sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def progress_line(result):
+    return (f"compare: {result.case}/{result.config}#{result.repetition}: {result.status}, "
+            f"total {fmt(result.total_time_s)} s, VMM downtime {fmt(result.vmm_downtime_ms, 1, '{:.0f}')} ms, "
+            f"guest downtime {fmt(result.guest_downtime_ms, 1, '{:.0f}')} ms, "
+            f"{fmt(result.bytes_on_wire, 1 / 2**20, '{:.0f}')} MiB, "
+            f"CPU-s src {fmt(result.cpu_source_s)} dst {fmt(result.cpu_destination_s)}")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cases", nargs="?", help="case file (bench/cases/*.toml)")
+    p.add_argument("--out", help="output directory (default: results/<today>)")
+    p.add_argument("--only", help="comma-separated case names to run (default: all in the file)")
+    p.add_argument("--configs", help="comma-separated config names to run (default: each case's list)")
+    p.add_argument("--repetitions", type=int, help="override every case's repetitions")
+    p.add_argument("--tsubame", default="target/release/tsubame", help="tsubame binary (default: %(default)s)")
+    p.add_argument("--qemu", default="qemu-system-x86_64", help="QEMU binary (default: %(default)s)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (matplotlib not needed then)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="after a failed run, go on with the others (exit status is still 1)")
+    p.add_argument("--table-from", metavar="RUNS_JSONL",
+                   help="only print the table (and plots into --out) of an existing runs.jsonl")
+    args = p.parse_args(argv)
+    if not args.cases and not args.table_from:
+        p.error("give a case file, or --table-from RUNS_JSONL")
+    return args
+
+
+def load_runs(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_outputs(runs, out_dir, plots):
+    table = make_table(runs)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(table)
+    print(table)
+    if plots:
+        for case in group_runs(runs):
+            for path in plot_case(case, runs, out_dir):
+                print(f"compare: wrote {path}", file=sys.stderr)
+
+
+def run_cases(args, out_dir):
+    """Runs every selected case and config; returns (runs as dicts, list of failure messages)."""
+    cases, configs = load_case_file(args.cases)
+    if args.only:
+        wanted = args.only.split(",")
+        missing = set(wanted) - {c.name for c in cases}
+        if missing:
+            raise HarnessError(f"--only: no case named {', '.join(sorted(missing))} in {args.cases}")
+        cases = [c for c in cases if c.name in wanted]
+    if args.configs:
+        missing = set(args.configs.split(",")) - set(configs)
+        if missing:
+            raise HarnessError(f"--configs: {', '.join(sorted(missing))} not defined in {args.cases}")
+    remove_stale_namespaces()
+    work = tempfile.mkdtemp(prefix="tsb-bench-")
+    log_dir = os.path.join(out_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    try:
+        elf = os.path.join(work, "guest.elf")
+        sh(args.tsubame, "guest-elf", elf)
+        env = Env(tsubame=args.tsubame, qemu=args.qemu, guest_elf=elf, tsc_khz=read_tsc_khz(args.tsubame),
+                  sock_dir=work, log_dir=log_dir)
+        print(f"compare: tsc_khz={env.tsc_khz}; logs in {log_dir}", file=sys.stderr)
+        runs, failures = [], []
+        invocation = datetime.datetime.now().isoformat(timespec="seconds")
+        for case in cases:
+            names = [n for n in case.configs if not args.configs or n in args.configs.split(",")]
+            reps = args.repetitions or case.repetitions
+            for rep in range(1, reps + 1):
+                order = names if rep % 2 else list(reversed(names))  # alternate to spread drift over VMMs
+                for name in order:
+                    config = configs[name]
+                    print(f"compare: {case.name}/{name}#{rep}: {case.memory} {case.workload} "
+                          f"{case.args} link {case.link} ...", file=sys.stderr, flush=True)
+                    try:
+                        result = run_one(case, config, rep, env)
+                    except HarnessError as e:
+                        failures.append(str(e))
+                        print(f"compare: FAILED: {e}", file=sys.stderr, flush=True)
+                        if not args.keep_going:
+                            return runs, failures
+                        continue
+                    record = dataclasses.asdict(result)
+                    record["invocation"] = invocation
+                    record["case_file"] = args.cases
+                    with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    runs.append(record)
+                    print(progress_line(result), file=sys.stderr, flush=True)
+        return runs, failures
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out_dir = args.out or os.path.join("results", datetime.date.today().isoformat())
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (`cmd &`)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        if args.table_from:
+            write_outputs(load_runs(args.table_from), out_dir, not args.no_plots)
+            return 0
+        check_prerequisites(args)
+        runs, failures = run_cases(args, out_dir)
+        if runs:
+            write_outputs(runs, out_dir, not args.no_plots)
+        if failures:
+            more = f" (and {len(failures) - 1} more failure(s))" if len(failures) > 1 else ""
+            print(f"error: {failures[0]}{more}", file=sys.stderr)
+            return 1
+        return 0
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("compare: interrupted; stopping processes and removing namespaces", file=sys.stderr)
+        return 130
+    finally:
+        stop_all_processes()
+        for link in list(ACTIVE_LINKS):
+            link.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
