@@ -430,7 +430,6 @@ impl SourceRun<'_> {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         let hashes = digest::memory_digest(vm.memory(), self.options.digest_region, threads);
         wire::write_frame(writer, FrameKind::Digest, &digest::encode(self.options.digest_region, &hashes))?;
-        let hashes = hashes; // kept for the repair rounds
         writer.flush()?;
         self.stats.bytes_on_wire = writer.get_ref().bytes;
         laps(&mut breakdown.source_digest_ms);
