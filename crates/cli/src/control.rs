@@ -107,6 +107,12 @@ impl ControlClient {
         Ok(ControlClient { writer: stream.try_clone()?, reader: BufReader::new(stream) })
     }
 
+    /// How long to wait for a reply (default 60 s).
+    pub fn set_timeout(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        self.reader.get_ref().set_read_timeout(Some(timeout))?;
+        Ok(())
+    }
+
     /// Sends one request and returns the reply; `ok:false` becomes an error.
     pub fn request(&mut self, request: &Value) -> anyhow::Result<Value> {
         let mut text = request.to_string();

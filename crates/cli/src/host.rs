@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tsubame_migrate::recorder::{self, RecordOptions};
 use tsubame_migrate::{source, Address, MigrateOptions, MigrationStats, ProgressCell};
 use tsubame_vmm::{VcpuStatus, Vm};
 
@@ -46,18 +47,23 @@ pub struct Host {
     pub started: Instant,
     quit: AtomicBool,
     migration: Mutex<Migration>,
+    tracing: AtomicBool,
+    /// The guest's workload command line, as far as this process knows it.
+    pub description: String,
     me: Weak<Host>,
 }
 
 impl Host {
     /// Wraps a started VM.
-    pub fn new(vm: Arc<Vm>, console: ConsoleFollower) -> Arc<Host> {
+    pub fn new(vm: Arc<Vm>, console: ConsoleFollower, description: String) -> Arc<Host> {
         Arc::new_cyclic(|me| Host {
             vm,
             console,
             started: Instant::now(),
             quit: AtomicBool::new(false),
             migration: Mutex::new(Migration::None),
+            tracing: AtomicBool::new(false),
+            description,
             me: me.clone(),
         })
     }
@@ -114,6 +120,9 @@ impl Host {
     /// Starts migrating the VM to `to` on a thread of its own.
     pub fn start_migration(self: &Arc<Self>, to: Address, options: MigrateOptions) -> Result<(), String> {
         let progress = Arc::new(ProgressCell::default());
+        if self.tracing.load(Ordering::Acquire) {
+            return Err("a trace is being recorded; migrate when it is done".into());
+        }
         {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
@@ -147,6 +156,36 @@ impl Host {
                 json!({"status": stats.status, "stats": stats})
             }
         }
+    }
+
+    /// Records a dirty-page trace of the running VM (blocks the request).
+    fn trace(&self, request: &Value) -> Result<Value, String> {
+        let out = request.get("out").and_then(Value::as_str).ok_or("trace needs \"out\": a file path")?;
+        let number = |key: &str, default: f64| -> Result<f64, String> {
+            match request.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => {
+                    v.as_f64().filter(|x| *x > 0.0).ok_or_else(|| format!("\"{key}\" must be a positive number"))
+                }
+            }
+        };
+        let options = RecordOptions {
+            interval: Duration::from_secs_f64(number("interval_ms", 10.0)? / 1e3),
+            duration: Duration::from_secs_f64(number("seconds", 10.0)?),
+            granularity: number("granularity", 128.0)? as u32,
+            workload: self.description.clone(),
+        };
+        if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active(_)) {
+            return Err("the VM is migrating; trace it before or after".into());
+        }
+        if self.tracing.swap(true, Ordering::AcqRel) {
+            return Err("a trace is already being recorded".into());
+        }
+        let result = std::fs::File::create(out).map_err(|e| format!("cannot create {out}: {e}")).and_then(|file| {
+            recorder::record(&self.vm, std::io::BufWriter::new(file), &options).map_err(|e| e.to_string())
+        });
+        self.tracing.store(false, Ordering::Release);
+        Ok(serde_json::to_value(result?).expect("summary serializes"))
     }
 
     /// The `stats` reply.
@@ -183,15 +222,16 @@ impl ControlHandler for Host {
                 Ok(json!({}))
             }
             "query-migrate" => Ok(self.query_migrate()),
+            "trace" => self.trace(request),
             "pause" => self.vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             "resume" => self.vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
             "quit" => {
                 self.request_quit();
                 Ok(json!({}))
             }
-            other => {
-                Err(format!("unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate)"))
-            }
+            other => Err(format!(
+                "unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate, trace)"
+            )),
         }
     }
 }

@@ -7,6 +7,7 @@ mod host;
 mod migrate_cmd;
 mod receive;
 mod run;
+mod trace_cmd;
 mod units;
 
 use std::path::PathBuf;
@@ -37,6 +38,12 @@ enum Command {
     /// The whole job in one command: boot a VM with a workload, migrate it
     /// live to a second tsubame process over loopback, show the result.
     Demo(demo::DemoArgs),
+    /// Record what a running VM dirties, interval by interval, to a file.
+    Trace(trace_cmd::TraceArgs),
+    /// Replay a trace as a pseudo-migration over a link of given bandwidth.
+    Simulate(trace_cmd::SimulateArgs),
+    /// Fit the dirty-page model to a trace and predict migrations.
+    Plan(trace_cmd::PlanArgs),
     /// Write the embedded guest ELF to FILE (to boot it under QEMU).
     GuestElf {
         /// Where to write the multiboot ELF.
@@ -92,6 +99,9 @@ fn main() -> ExitCode {
         Command::Receive(args) => receive::receive(args),
         Command::Migrate(args) => migrate_cmd::migrate(args),
         Command::Demo(args) => demo::demo(args),
+        Command::Trace(args) => trace_cmd::trace(args),
+        Command::Simulate(args) => trace_cmd::simulate_cmd(args),
+        Command::Plan(args) => trace_cmd::plan(args),
         Command::GuestElf { file } => std::fs::write(&file, tsubame_vmm::guest_elf::GUEST_ELF)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display())),
     };

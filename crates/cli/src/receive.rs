@@ -124,7 +124,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         Echo::Plain
     };
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
-    let host = Host::new(Arc::new(vm), console);
+    let host = Host::new(Arc::new(vm), console, "received by migration".into());
     *control.host.lock().unwrap() = Some(host.clone());
     let end = host.wait(None)?;
     let progress = host.console.snapshot();

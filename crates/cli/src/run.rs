@@ -76,6 +76,16 @@ impl VmArgs {
         Ok(out)
     }
 
+    /// The workload as a guest command line (without tsc_khz).
+    pub fn description(&self) -> String {
+        let mut d = format!("workload={}", self.workload);
+        for a in &self.workload_args {
+            d.push(' ');
+            d.push_str(a);
+        }
+        d
+    }
+
     /// Creates the VM and loads the guest with this workload.
     pub fn boot(&self) -> anyhow::Result<Vm> {
         let memory_bytes = self.memory_bytes()?;
@@ -104,7 +114,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
     vm.start(false)?;
-    let host = Host::new(Arc::new(vm), console);
+    let host = Host::new(Arc::new(vm), console, args.vm.description());
     let _server = match &args.control {
         Some(path) => Some(ControlServer::start(path, host.clone() as Arc<dyn ControlHandler>)?),
         None => None,

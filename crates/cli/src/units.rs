@@ -49,6 +49,24 @@ pub fn parse_rate(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Parses a duration: `10ms`, `1.5s`, or a plain number of milliseconds.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim().to_ascii_lowercase();
+    let err = || format!("'{text}' is not a duration (try 10ms or 2s)");
+    let (number, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (t.as_str(), 1e-3)
+    };
+    let value: f64 = number.trim().parse().map_err(|_| err())?;
+    if !value.is_finite() || value < 0.0 || value * scale > 1e6 {
+        return Err(err());
+    }
+    Ok(std::time::Duration::from_secs_f64(value * scale))
+}
+
 /// Human-readable bytes: `1.5 GiB`.
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -87,6 +105,14 @@ mod tests {
         assert_eq!(parse_rate("2.5Gbit").unwrap(), 312_500_000);
         assert!(parse_rate("fast").is_err());
         assert!(parse_rate("0Gbit").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10ms").unwrap().as_millis(), 10);
+        assert_eq!(parse_duration("1.5s").unwrap().as_millis(), 1500);
+        assert_eq!(parse_duration("300").unwrap().as_millis(), 300);
+        assert!(parse_duration("soon").is_err() && parse_duration("-1s").is_err());
     }
 
     #[test]

@@ -1,0 +1,260 @@
+//! `tsubame trace`, `simulate` and `plan`: record a VM's dirtying, replay
+//! it as a pseudo-migration, and predict migrations from a fitted model.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::json;
+use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
+use tsubame_trace::simulate::{simulate, Method, SimOptions};
+use tsubame_trace::Trace;
+
+use crate::control::ControlClient;
+use crate::units::{format_bytes, parse_duration, parse_rate};
+use crate::usage_error;
+
+/// Options of `tsubame trace`.
+#[derive(Args, Debug)]
+pub struct TraceArgs {
+    /// Control socket of the running VM (`tsubame run --control PATH`).
+    #[arg(long)]
+    pub control: PathBuf,
+    /// Trace file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Time between dirty-log reads, e.g. 10ms.
+    #[arg(long, default_value = "10ms")]
+    pub interval: String,
+    /// How long to record, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// Sub-page size of the recorded change masks (64 to 4096).
+    #[arg(long, default_value_t = 128)]
+    pub granularity: u32,
+}
+
+/// Runs `tsubame trace`.
+pub fn trace(args: TraceArgs) -> anyhow::Result<()> {
+    let interval = parse_duration(&args.interval).map_err(|e| usage_error(format!("--interval: {e}")))?;
+    if !(args.seconds > 0.0 && args.seconds <= 3600.0) {
+        return Err(usage_error("--seconds must be between 0 and 3600"));
+    }
+    tsubame_migrate::subpage::check_granularity(args.granularity)
+        .map_err(|e| usage_error(format!("--granularity: {e}")))?;
+    let out = std::path::absolute(&args.out)?;
+    let mut client = ControlClient::connect(&args.control)?;
+    client.set_timeout(Duration::from_secs_f64(args.seconds + 60.0))?;
+    eprintln!("tsubame: recording {} s of dirtying into {}", args.seconds, out.display());
+    let reply = client.request(&json!({
+        "cmd": "trace",
+        "out": out,
+        "interval_ms": interval.as_secs_f64() * 1e3,
+        "seconds": args.seconds,
+        "granularity": args.granularity,
+    }))?;
+    println!(
+        "trace written to {}: {} intervals, {} page changes, {} pages non-zero at the start, longest tick {:.1} ms",
+        out.display(),
+        reply["intervals"],
+        reply["changes"],
+        reply["nonzero_pages"],
+        reply["longest_tick_ms"].as_f64().unwrap_or(0.0)
+    );
+    Ok(())
+}
+
+fn open_trace(path: &std::path::Path) -> anyhow::Result<Trace> {
+    Trace::open(path).map_err(|e| {
+        let detail = match &e {
+            tsubame_trace::TraceError::Io(io) => format!("{e}: {io}"),
+            _ => e.to_string(),
+        };
+        usage_error(format!("{}: {detail}", path.display()))
+    })
+}
+
+fn methods(text: &str) -> anyhow::Result<Vec<Method>> {
+    if text == "all" {
+        return Ok(Method::ALL.to_vec());
+    }
+    text.split(',').map(|m| m.parse::<Method>().map_err(|e| usage_error(format!("--method: {e}")))).collect()
+}
+
+/// Options of `tsubame simulate`.
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// A trace from `tsubame trace`.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Link bandwidth, e.g. 1Gbit.
+    #[arg(long, default_value = "1Gbit")]
+    pub bandwidth: String,
+    /// page, page+xbzrle, subpage, or all.
+    #[arg(long, default_value = "all")]
+    pub method: String,
+    /// Stop iterating once the rest takes at most this long, e.g. 300ms.
+    #[arg(long, default_value = "300ms")]
+    pub downtime_limit: String,
+    /// Give up and stop-and-copy after this many iterations.
+    #[arg(long, default_value_t = 20)]
+    pub max_iterations: u32,
+    /// Guest speed during migration relative to while traced (1 − β of the
+    /// RDMA paper's model): 0.5 replays the trace at half speed.
+    #[arg(long, default_value_t = 1.0)]
+    pub guest_speed: f64,
+    /// Write the results as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn sim_options(bandwidth: &str, limit: &str, max_iterations: u32, guest_speed: f64) -> anyhow::Result<SimOptions> {
+    if !(guest_speed > 0.0 && guest_speed <= 10.0) {
+        return Err(usage_error("--guest-speed must be in (0, 10]"));
+    }
+    let bandwidth = parse_rate(bandwidth).map_err(|e| usage_error(format!("--bandwidth: {e}")))? as f64;
+    let limit = parse_duration(limit).map_err(|e| usage_error(format!("--downtime-limit: {e}")))?;
+    if max_iterations == 0 {
+        return Err(usage_error("--max-iterations must be at least 1"));
+    }
+    Ok(SimOptions { bandwidth, downtime_limit: limit.as_secs_f64(), max_iterations, guest_speed })
+}
+
+/// Runs `tsubame simulate`.
+pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
+    let options = sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed)?;
+    let methods = methods(&args.method)?;
+    let trace = open_trace(&args.trace)?;
+    println!(
+        "trace: {} ({} of memory, {:.1} s, {} intervals, {} B sub-pages); link {}/s",
+        trace.setup.workload,
+        format_bytes(trace.setup.memory_bytes),
+        trace.duration_s(),
+        trace.intervals.len(),
+        trace.setup.granularity,
+        format_bytes(options.bandwidth as u64)
+    );
+    let results: Vec<_> = methods.iter().map(|&m| simulate(&trace, m, &options)).collect();
+    let rows = results.iter().map(|r| r.iterations.len()).max().unwrap_or(0);
+    print!("{:>9}", "iteration");
+    for r in &results {
+        print!(" {:>22}", format!("{} (MiB)", r.method.name()));
+    }
+    println!();
+    for i in 0..rows {
+        print!("{i:>9}");
+        for r in &results {
+            match r.iterations.get(i) {
+                Some(it) => print!(" {:>22.2}", it.bytes / (1 << 20) as f64),
+                None => print!(" {:>22}", ""),
+            }
+        }
+        println!();
+    }
+    for r in &results {
+        println!(
+            "{:<12} total {:.2} s, downtime {:.0} ms, {} iterations, {}, {} sent",
+            r.method.name(),
+            r.total_time_s,
+            r.downtime_s * 1e3,
+            r.iterations.len(),
+            if r.converged { "converged".to_string() } else { format!("not converged ({})", r.stop_reason) },
+            format_bytes(r.bytes_total as u64),
+        );
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
+    }
+    Ok(())
+}
+
+/// Options of `tsubame plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// A trace from `tsubame trace`.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Bandwidths to predict for, comma-separated.
+    #[arg(long, default_value = "100Mbit,1Gbit,2.5Gbit,10Gbit")]
+    pub bandwidths: String,
+    /// Downtime to stay within, e.g. 300ms.
+    #[arg(long, default_value = "300ms")]
+    pub downtime_limit: String,
+    /// Iterations before giving up.
+    #[arg(long, default_value_t = 30)]
+    pub max_iterations: u32,
+    /// Share of the guest's CPU the migration takes (the model's β).
+    #[arg(long, default_value_t = 0.0)]
+    pub beta: f64,
+    /// Write the model and predictions as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs `tsubame plan`.
+pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
+    if !(0.0..1.0).contains(&args.beta) {
+        return Err(usage_error("--beta must be in [0, 1)"));
+    }
+    let trace = open_trace(&args.trace)?;
+    let curve = measure_dirty_curve(&trace);
+    let model = fit(&curve).ok_or_else(|| {
+        anyhow::anyhow!("the trace is too short to fit D(t): record at least a second with several intervals")
+    })?;
+    println!(
+        "D(t) = M - M*(1/2)^(t(1-beta)/tau): M = {:.0} pages ({}), tau = {:.3} s, R^2 = {:.4}, RMSE = {:.0} pages",
+        model.m,
+        format_bytes((model.m * 4096.0) as u64),
+        model.tau,
+        model.r_squared,
+        model.rmse
+    );
+    let mut predictions = Vec::new();
+    println!(
+        "{:<12} {:>10} {:>10} {:>12} {:>11} {:>12}",
+        "method", "bandwidth", "converges", "iterations", "total (s)", "downtime (ms)"
+    );
+    for text in args.bandwidths.split(',') {
+        let options = sim_options(text, &args.downtime_limit, args.max_iterations, 1.0 - args.beta)?;
+        for method in Method::ALL {
+            let p = predict(&trace, &model, method, &options, args.beta);
+            println!(
+                "{:<12} {:>10} {:>10} {:>12} {:>11.2} {:>12.0}",
+                method.name(),
+                text,
+                if p.converged { "yes" } else { "no" },
+                p.iterations,
+                p.total_time_s,
+                p.downtime_s * 1e3
+            );
+            predictions.push(p);
+        }
+    }
+    match predictions
+        .iter()
+        .filter(|p| p.converged)
+        .min_by(|a, b| a.bandwidth.total_cmp(&b.bandwidth).then(a.total_time_s.total_cmp(&b.total_time_s)))
+    {
+        Some(p) => println!(
+            "needs at least {}/s with {} to stop within {} (predicted {:.2} s total, {:.0} ms downtime)",
+            format_bytes(p.bandwidth as u64),
+            p.method.name(),
+            args.downtime_limit,
+            p.total_time_s,
+            p.downtime_s * 1e3
+        ),
+        None => println!("no method converges within {} at these bandwidths", args.downtime_limit),
+    }
+    if let Some(first) = predictions.first() {
+        println!(
+            "predicted iteration-1 dirty pages at {}: {:.0}",
+            args.bandwidths.split(',').next().unwrap_or(""),
+            first.iteration1_dirty_pages
+        );
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({"model": model, "curve": curve, "predictions": predictions});
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! `tsubame trace`, `simulate` and `plan` end to end.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::{kvm_or_skip, scratch, tsubame};
+
+#[test]
+fn trace_simulate_plan() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("trace");
+    let socket = dir.join("vm.sock");
+    let trace = dir.join("kv.trace");
+    let mut vm = tsubame()
+        .args(["run", "--quiet", "--memory", "128M", "--workload", "kv", "--workload-arg", "wss=32M", "--control"])
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let out = tsubame()
+        .arg("trace")
+        .arg("--control")
+        .arg(&socket)
+        .arg("--out")
+        .arg(&trace)
+        .args(["--seconds", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("intervals"));
+    let _ = vm.kill();
+    let _ = vm.wait();
+
+    let out = tsubame().arg("simulate").arg("--trace").arg(&trace).args(["--bandwidth", "100Mbit"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for method in ["page ", "page+xbzrle ", "subpage "] {
+        assert!(text.lines().any(|l| l.starts_with(method) && l.contains("total")), "{method}: {text}");
+    }
+
+    let out = tsubame().arg("plan").arg("--trace").arg(&trace).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("R^2 = "), "{text}");
+
+    // A damaged trace is one clear line and exit 2.
+    let mut bytes = std::fs::read(&trace).unwrap();
+    bytes.truncate(bytes.len() - 3);
+    let cut = dir.join("cut.trace");
+    std::fs::write(&cut, &bytes).unwrap();
+    let out = tsubame().arg("simulate").arg("--trace").arg(&cut).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("truncated"), "{stderr}");
+    let out = tsubame().args(["plan", "--trace", "/nonexistent.trace"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -1,0 +1,161 @@
+//! `tsubame trace`: record what a running VM dirties, interval by interval,
+//! without pausing it: at each tick, read KVM's dirty log, clear each
+//! chunk's bits, then diff those pages against a shadow copy.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use tsubame_trace::format::{xbzrle_size, PageChange, Setup, TraceError, TraceWriter};
+use tsubame_vmm::{memory, Vm, PAGE_SIZE};
+
+use crate::pages::is_zero_page;
+
+/// Bitmap words cleared and read per step.
+const WORDS_PER_CHUNK: usize = 16;
+
+/// What to record.
+#[derive(Debug, Clone)]
+pub struct RecordOptions {
+    /// Time between dirty-log reads.
+    pub interval: Duration,
+    /// How long to record.
+    pub duration: Duration,
+    /// Sub-page size of the recorded masks.
+    pub granularity: u32,
+    /// The guest's workload command line, for the header.
+    pub workload: String,
+}
+
+/// Why recording failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// Writing the trace.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// A VM operation.
+    #[error("VM: {0}")]
+    Vm(#[from] tsubame_vmm::VmError),
+    /// Options out of range.
+    #[error("{0}")]
+    BadOptions(String),
+}
+
+/// What was recorded.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecordSummary {
+    /// Intervals written.
+    pub intervals: u64,
+    /// Page changes written.
+    pub changes: u64,
+    /// Pages non-zero at the start.
+    pub nonzero_pages: u64,
+    /// Longest time one tick took (reading log and pages), milliseconds.
+    pub longest_tick_ms: f64,
+}
+
+/// Records `vm` into `out`. The VM keeps running throughout.
+pub fn record(vm: &Vm, out: impl Write, options: &RecordOptions) -> Result<RecordSummary, RecordError> {
+    crate::subpage::check_granularity(options.granularity).map_err(RecordError::BadOptions)?;
+    if options.interval < Duration::from_millis(1) || options.duration < options.interval {
+        return Err(RecordError::BadOptions("interval must be at least 1 ms and no longer than the recording".into()));
+    }
+    let pages = memory::page_count(vm.memory());
+    let mut shadow = vec![0u8; pages as usize * PAGE_SIZE];
+    let mut bitmap = vec![0u64; vm.dirty_bitmap_words()];
+    let mut nonzero = vec![0u64; bitmap.len()];
+    let pagemap = memory::Pagemap::open().ok();
+    let mut page = [0u8; PAGE_SIZE];
+    let mut populated = [true; WORDS_PER_CHUNK * 64];
+
+    vm.set_dirty_logging(true)?;
+    let result = (|| {
+        // The starting contents: every page, read after its bit is cleared.
+        if vm.manual_dirty_protect() {
+            vm.dirty_log(&mut bitmap)?;
+        } else {
+            bitmap.iter_mut().for_each(|w| *w = u64::MAX);
+        }
+        for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
+            let first = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
+            vm.clear_dirty_log(first, chunk)?;
+            let populated = &mut populated[..chunk.len() * 64];
+            if pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first, populated).is_err()) {
+                populated.fill(true);
+            }
+            for (offset, &is_populated) in populated.iter().enumerate() {
+                let index = first + offset as u64;
+                if index >= pages || !is_populated {
+                    continue;
+                }
+                memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
+                if !is_zero_page(&page) {
+                    shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&page);
+                    nonzero[(index / 64) as usize] |= 1 << (index % 64);
+                }
+            }
+        }
+        let setup = Setup {
+            memory_bytes: vm.memory_bytes(),
+            granularity: options.granularity,
+            interval_us: options.interval.as_micros() as u32,
+            workload: options.workload.clone(),
+        };
+        let mut writer = TraceWriter::new(out, &setup, &nonzero)?;
+        let mut summary = RecordSummary {
+            intervals: 0,
+            changes: 0,
+            nonzero_pages: nonzero.iter().map(|w| w.count_ones() as u64).sum(),
+            longest_tick_ms: 0.0,
+        };
+        let g = options.granularity as usize;
+        let start = Instant::now();
+        let mut changes = Vec::new();
+        let mut tick = 1u32;
+        while start.elapsed() < options.duration {
+            let due = start + options.interval * tick;
+            tick += 1;
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let began = Instant::now();
+            let at_us = start.elapsed().as_micros() as u64;
+            vm.dirty_log(&mut bitmap)?;
+            changes.clear();
+            for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
+                if chunk.iter().all(|&w| w == 0) {
+                    continue;
+                }
+                let first = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
+                vm.clear_dirty_log(first, chunk)?;
+                for (w, &word) in chunk.iter().enumerate() {
+                    let mut bits = word;
+                    while bits != 0 {
+                        let index = first + (w * 64) as u64 + bits.trailing_zeros() as u64;
+                        bits &= bits - 1;
+                        memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
+                        let held = &mut shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE];
+                        let mut mask = 0u64;
+                        for (i, (now, was)) in page.chunks_exact(g).zip(held.chunks_exact(g)).enumerate() {
+                            if now != was {
+                                mask |= 1 << i;
+                            }
+                        }
+                        let xbzrle_bytes = xbzrle_size(held, &page).unwrap_or(PAGE_SIZE as u32 + 1);
+                        changes.push(PageChange { page: index, mask, xbzrle_bytes, zero: is_zero_page(&page) });
+                        if mask != 0 {
+                            held.copy_from_slice(&page);
+                        }
+                    }
+                }
+            }
+            writer.interval(at_us, &changes)?;
+            summary.intervals += 1;
+            summary.changes += changes.len() as u64;
+            summary.longest_tick_ms = summary.longest_tick_ms.max(began.elapsed().as_secs_f64() * 1e3);
+        }
+        writer.finish()?;
+        Ok(summary)
+    })();
+    let _ = vm.set_dirty_logging(false);
+    result
+}

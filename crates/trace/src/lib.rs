@@ -1,0 +1,10 @@
+//! Dirty-page traces of running VMs (`tsubame trace`), the trace-driven
+//! pseudo-migration of the SPP paper (`tsubame simulate`), and a planner
+//! that fits the RDMA paper's dirty-page model (`tsubame plan`). Pure code:
+//! no KVM, no network.
+
+pub mod format;
+pub mod plan;
+pub mod simulate;
+
+pub use format::{Interval, PageChange, Setup, Trace, TraceError, TraceWriter};
