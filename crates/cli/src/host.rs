@@ -266,9 +266,17 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(d) = request.get("subpage_detect") {
         options.subpage_detector = d.as_str().ok_or("\"subpage_detect\" must be a string")?.parse()?;
     }
+    if let Some(c) = request.get("codec") {
+        options.codecs = c
+            .as_str()
+            .ok_or("\"codec\" must be a string")?
+            .parse()
+            .map_err(|e: tsubame_codec::CodecError| e.to_string())?;
+    }
     if let Some(v) = request.get("abort_if_not_converged") {
         options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
     }
+    options.check()?;
     Ok((to, options))
 }
 
@@ -282,6 +290,7 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
         "max_iterations": options.max_iterations,
         "abort_if_not_converged": options.abort_if_not_converged,
         "granularity": options.granularity,
+        "codec": options.codecs.to_string(),
         "subpage_detect": match options.subpage_detector {
             tsubame_migrate::subpage::Detector::Shadow => "shadow",
             tsubame_migrate::subpage::Detector::Hash => "hash",

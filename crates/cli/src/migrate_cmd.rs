@@ -32,6 +32,13 @@ pub struct MigrateFlags {
     /// would exceed the downtime limit.
     #[arg(long)]
     pub abort_if_not_converged: bool,
+    /// Page codecs, comma-separated: zero, rle, xbzrle[=CACHE], dedup[=CACHE],
+    /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
+    /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
+    /// batch. A codec that does not pay at the measured bandwidth is
+    /// switched off for a while.
+    #[arg(long, value_name = "LIST", default_value = "zero")]
+    pub codec: String,
     /// Send only the changed BYTES-sized sub-pages of each dirty page
     /// (a power of two, 64 to 4096; 4096 sends whole pages). With the
     /// shadow detector, XBZRLE is unnecessary: only changed bytes go out.
@@ -61,7 +68,9 @@ impl MigrateFlags {
         check_granularity(self.granularity).map_err(|e| usage_error(format!("--granularity: {e}")))?;
         let subpage_detector =
             self.subpage_detect.parse().map_err(|e: String| usage_error(format!("--subpage-detect: {e}")))?;
-        Ok(MigrateOptions {
+        let codecs = self.codec.parse().map_err(|e: tsubame_codec::CodecError| usage_error(format!("--codec: {e}")))?;
+        let options = MigrateOptions {
+            codecs,
             max_bandwidth,
             downtime_limit: Duration::from_millis(self.downtime_limit),
             max_iterations: self.max_iterations,
@@ -69,7 +78,9 @@ impl MigrateFlags {
             granularity: self.granularity,
             subpage_detector,
             ..MigrateOptions::default()
-        })
+        };
+        options.check().map_err(usage_error)?;
+        Ok(options)
     }
 }
 
@@ -139,6 +150,16 @@ pub fn print_summary(stats: &Value) {
         c("source_migration_thread"),
         c("destination")
     );
+    if let Some(codecs) = stats.get("codec").and_then(Value::as_object).filter(|c| !c.is_empty()) {
+        let parts: Vec<String> = codecs
+            .iter()
+            .map(|(name, c)| {
+                let n = |k: &str| c.get(k).and_then(Value::as_u64).unwrap_or(0);
+                format!("{name} {} ({} → {})", n("pages"), format_bytes(n("bytes_in")), format_bytes(n("bytes_out")))
+            })
+            .collect();
+        println!("  codecs:      {}", parts.join("; "));
+    }
     if let Some(sub) = stats.get("subpage") {
         let n = |k: &str| sub.get(k).and_then(Value::as_u64).unwrap_or(0);
         println!(

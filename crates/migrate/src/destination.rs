@@ -14,6 +14,7 @@ use crate::pages::{for_each_record, for_each_subpage, Encoding};
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
+use tsubame_codec::{CodecList, PageDecoder};
 
 /// What the receiver may insist on.
 #[derive(Debug, Clone)]
@@ -99,27 +100,56 @@ impl<R: Read> Read for Counted<R> {
     }
 }
 
+/// Decompresses a PAGES_COMPRESSED payload (compressor u8, length u32,
+/// bytes) into `out`, never past the frame size limit.
+fn unpack(frame: &[u8], out: &mut Vec<u8>) -> Result<(), ReceiveError> {
+    let mut f = crate::wire::Fields::new(FrameKind::PagesCompressed, frame);
+    let id = f.u8()?;
+    let len = f.u32()? as usize;
+    tsubame_codec::batch::decompress(id, f.rest(), len, wire::MAX_PAYLOAD, out)
+        .map_err(|e| WireError::BadField { field: "pages_compressed", detail: e.to_string() })?;
+    Ok(())
+}
+
 /// Times a destination asks for mismatched regions before giving up.
 const MAX_REPAIR_ROUNDS: u32 = 2;
 
 /// Writes the records of a PAGES frame into guest memory. `touched` marks
 /// pages ever written: a zero record for an untouched page writes nothing,
-/// so fresh memory stays unbacked.
-fn apply_pages(frame: &[u8], vm: &Vm, granularity: usize, touched: &mut [u64]) -> Result<(), ReceiveError> {
+/// so fresh memory stays unbacked. Codec records are decoded, and the
+/// codecs' caches see every page as the sender's did.
+fn apply_pages(
+    frame: &[u8],
+    vm: &Vm,
+    granularity: usize,
+    touched: &mut [u64],
+    decoder: &mut PageDecoder,
+) -> Result<(), ReceiveError> {
     let mem = vm.memory();
     let page_count = memory::page_count(mem);
     let zero_page = [0u8; PAGE_SIZE];
+    let mut page = [0u8; PAGE_SIZE];
+    let mut codec_error = None;
     for_each_record(frame, page_count, granularity, |record| {
         let word = &mut touched[(record.page_index / 64) as usize];
         let bit = 1u64 << (record.page_index % 64);
-        let addr = record.page_index * PAGE_SIZE as u64;
+        let index = record.page_index;
+        let addr = index * PAGE_SIZE as u64;
         let result = match record.encoding {
             Encoding::Raw => {
                 *word |= bit;
+                page.copy_from_slice(record.data);
+                decoder.observe(index, &page);
                 memory::write(mem, addr, record.data)
             }
-            Encoding::Zero if *word & bit != 0 => memory::write(mem, addr, &zero_page),
-            Encoding::Zero => Ok(()),
+            Encoding::Zero => {
+                decoder.observe_zero(index);
+                if *word & bit != 0 {
+                    memory::write(mem, addr, &zero_page)
+                } else {
+                    Ok(())
+                }
+            }
             Encoding::Subpage => {
                 *word |= bit;
                 let mut result = Ok(());
@@ -129,6 +159,15 @@ fn apply_pages(frame: &[u8], vm: &Vm, granularity: usize, touched: &mut [u64]) -
                     }
                 });
                 result
+            }
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => {
+                *word |= bit;
+                let tag = record.encoding.codec_tag().expect("codec encodings have tags");
+                if let Err(e) = decoder.decode(index, tag, record.data, &mut page) {
+                    codec_error = Some(e.to_string());
+                    return Err(WireError::BadField { field: "pages.codec_record", detail: e.to_string() });
+                }
+                memory::write(mem, addr, &page)
             }
         };
         result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
@@ -203,11 +242,12 @@ impl Receiver<'_> {
                 )));
             }
         }
-        for codec in hello.codecs.split(',').filter(|c| !c.is_empty()) {
-            if codec != "zero" && codec != "none" {
-                return Err(ReceiveError::Mismatch(format!("source wants codec '{codec}', which this tsubame lacks")));
-            }
-        }
+        let codecs: CodecList = hello
+            .codecs
+            .parse()
+            .map_err(|e| ReceiveError::Mismatch(format!("source's codecs '{}': {e}", hello.codecs)))?;
+        let mut decoder = PageDecoder::new(&codecs);
+        let mut unpacked = Vec::new();
         let mut vm = Vm::create(&VmConfig { memory_bytes: hello.memory_bytes, hugepages: self.options.hugepages })?;
         wire::write_frame(writer, FrameKind::Accept, &[])?;
         writer.flush()?;
@@ -219,7 +259,11 @@ impl Receiver<'_> {
         let state: VmState;
         loop {
             match self.next(reader)? {
-                FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched)?,
+                FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched, &mut decoder)?,
+                FrameKind::PagesCompressed => {
+                    unpack(&self.frame, &mut unpacked)?;
+                    apply_pages(&unpacked, &vm, granularity, &mut touched, &mut decoder)?
+                }
                 FrameKind::IterationEnd => {
                     self.iterations += 1;
                 }
@@ -264,7 +308,7 @@ impl Receiver<'_> {
             writer.flush()?;
             loop {
                 match self.next(reader)? {
-                    FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched)?,
+                    FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched, &mut decoder)?,
                     FrameKind::Digest => break,
                     other => return Err(WireError::Unexpected { got: other, expected: "PAGES or DIGEST" }.into()),
                 }

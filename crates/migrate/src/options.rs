@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::digest;
 use crate::subpage::Detector;
+use tsubame_codec::CodecList;
 
 /// Knobs of a pre-copy migration (CLI flags map one to one).
 #[derive(Debug, Clone)]
@@ -33,6 +34,19 @@ pub struct MigrateOptions {
     /// Bits of the sub-page hash that count; tests clear bits to forge
     /// collisions and exercise the repair pass.
     pub subpage_hash_mask: u64,
+    /// Page codecs (zero detection by default).
+    pub codecs: CodecList,
+}
+
+impl MigrateOptions {
+    /// Combinations the engine refuses, as a message.
+    pub fn check(&self) -> Result<(), String> {
+        crate::subpage::check_granularity(self.granularity)?;
+        if self.granularity < 4096 && self.codecs.xbzrle.is_some() {
+            return Err("xbzrle and sub-page granularity do not mix: sub-pages already send only what changed".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for MigrateOptions {
@@ -48,6 +62,7 @@ impl Default for MigrateOptions {
             granularity: 4096,
             subpage_detector: Detector::Shadow,
             subpage_hash_mask: u64::MAX,
+            codecs: CodecList { zero: true, ..CodecList::default() },
         }
     }
 }

@@ -22,6 +22,31 @@ pub enum Encoding {
     Zero = 1,
     /// Some sub-pages: a u64 mask, then the sub-pages it names, in order.
     Subpage = 2,
+    /// A GM-RLE record (docs/codec-format.md).
+    Rle = 3,
+    /// An XBZRLE record against the page cache.
+    Xbzrle = 4,
+    /// A dedup record against the chunk cache.
+    Dedup = 5,
+}
+
+impl Encoding {
+    /// The codec tag of a codec record (the same numbers).
+    pub fn codec_tag(self) -> Option<u8> {
+        match self {
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => Some(self as u8),
+            _ => None,
+        }
+    }
+
+    /// The encoding of a codec tag.
+    pub fn from_codec_tag(tag: u8) -> Encoding {
+        match tag {
+            3 => Encoding::Rle,
+            4 => Encoding::Xbzrle,
+            _ => Encoding::Dedup,
+        }
+    }
 }
 
 impl Encoding {
@@ -30,6 +55,9 @@ impl Encoding {
             0 => Some(Encoding::Raw),
             1 => Some(Encoding::Zero),
             2 => Some(Encoding::Subpage),
+            3 => Some(Encoding::Rle),
+            4 => Some(Encoding::Xbzrle),
+            5 => Some(Encoding::Dedup),
             _ => None,
         }
     }
@@ -124,6 +152,10 @@ pub fn for_each_record<'a>(
         let expected = match encoding {
             Encoding::Raw => PAGE,
             Encoding::Zero => 0,
+            // Codec records: at most a page and the dedup header; the
+            // codec's decoder checks the contents.
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup if len <= PAGE + 2 => len,
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => PAGE + 2,
             Encoding::Subpage => {
                 let mask_bytes = f.rest().get(..8).ok_or(WireError::Truncated(FrameKind::Pages))?;
                 let mask = u64::from_le_bytes(mask_bytes.try_into().unwrap());

@@ -11,11 +11,14 @@ use tsubame_vmm::{memory, Vm, PAGE_SIZE};
 
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
-use crate::pages::{is_zero_page, Encoding, PagesBuilder};
+use crate::pages::{Encoding, PagesBuilder};
+use crate::stats::CodecStats;
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
 use crate::subpage::{encode_partial, Change, SubpageTracker};
 use crate::transport::{Address, Metered, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
+use tsubame_codec::chooser::Payoff;
+use tsubame_codec::{Encoded, PageEncoder};
 
 /// Page records per PAGES frame.
 const RECORDS_PER_FRAME: usize = 256;
@@ -45,6 +48,9 @@ pub enum SourceError {
     /// Iterating did not converge and the user asked to abort then.
     #[error("did not converge ({0}) and --abort-if-not-converged was given")]
     NotConverged(String),
+    /// The options contradict each other.
+    #[error("{0}")]
+    BadOptions(String),
     /// COMMIT went out but the destination never confirmed.
     #[error("commit was sent but the destination did not confirm ({0}); the VM stays paused here and may be running at the destination — check it before resuming")]
     CommitUnconfirmed(String),
@@ -86,6 +92,11 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
             )
         }),
         subpage_buf: Vec::with_capacity(8 + PAGE_SIZE),
+        encoder: PageEncoder::new(&options.codecs),
+        codec_buf: Vec::with_capacity(2 * PAGE_SIZE),
+        batch_buf: Vec::new(),
+        batch_payoff: Payoff::default(),
+        bandwidth: f64::INFINITY,
     };
     progress.update(|p| {
         p.phase = "setup".into();
@@ -95,6 +106,14 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
     let committed = run.committed;
     let mut stats = std::mem::take(&mut run.stats);
     stats.subpage = run.subpage.as_ref().map(|t| t.stats.clone());
+    stats.codec = run
+        .encoder
+        .stats
+        .iter()
+        .map(|(name, s)| {
+            (name.to_string(), CodecStats { pages: s.pages, bytes_in: s.bytes_in, bytes_out: s.bytes_out })
+        })
+        .collect();
     stats.total_time_ms = ms(start.elapsed());
     stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
     stats.cpu_seconds.source_migration_thread = thread_cpu_seconds() - cpu_thread;
@@ -163,6 +182,16 @@ struct SourceRun<'a> {
     subpage: Option<SubpageTracker>,
     /// Scratch for SUBPAGE record data.
     subpage_buf: Vec<u8>,
+    /// The page codecs and their caches.
+    encoder: PageEncoder,
+    /// Scratch for codec records.
+    codec_buf: Vec<u8>,
+    /// Scratch for compressed batches.
+    batch_buf: Vec<u8>,
+    /// Whether batch compression pays at the current bandwidth.
+    batch_payoff: Payoff,
+    /// Current measured bandwidth, bytes per second.
+    bandwidth: f64,
 }
 
 type Writer = BufWriter<Metered<Stream>>;
@@ -170,6 +199,7 @@ type Writer = BufWriter<Metered<Stream>>;
 impl SourceRun<'_> {
     fn run(&mut self, to: &Address) -> Result<(), SourceError> {
         let vm = self.vm;
+        self.options.check().map_err(SourceError::BadOptions)?;
         match vm.status() {
             tsubame_vmm::VcpuStatus::Running => {}
             other => {
@@ -194,7 +224,7 @@ impl SourceRun<'_> {
             vcpus: 1,
             digest_region: self.options.digest_region,
             granularity: self.options.granularity,
-            codecs: "zero".into(),
+            codecs: self.options.codecs.to_string(),
         };
         wire::write_frame(&mut writer, FrameKind::Hello, &hello.encode())?;
         writer.flush()?;
@@ -260,6 +290,8 @@ impl SourceRun<'_> {
             }
             let bw = self.options.max_bandwidth.map_or(bandwidth, |cap| bandwidth.min(cap as f64)).max(1.0);
             self.progress.update(|p| p.bandwidth = bw);
+            self.bandwidth = bw;
+            self.encoder.set_bandwidth(bw);
             self.stats.per_iteration.push(it);
             iteration += 1;
 
@@ -309,6 +341,8 @@ impl SourceRun<'_> {
         let mut page = [0u8; PAGE_SIZE];
         let mut populated = [true; WORDS_PER_CHUNK * 64];
         let mut remaining = dirty_pages;
+        // With `--codec none` even untouched pages go raw: a true baseline.
+        let zero_records = self.options.codecs.zero;
         builder.reset(iteration);
         for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
             if chunk.iter().all(|&w| w == 0) {
@@ -328,7 +362,7 @@ impl SourceRun<'_> {
                     let offset = w * 64 + bits.trailing_zeros() as usize;
                     let index = first_page + offset as u64;
                     bits &= bits - 1;
-                    let change = if !populated[offset] {
+                    let change = if !populated[offset] && zero_records {
                         match &mut self.subpage {
                             Some(tracker) => tracker.diff_zero(index),
                             None => Change::Zero,
@@ -337,7 +371,6 @@ impl SourceRun<'_> {
                         memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
                         match &mut self.subpage {
                             Some(tracker) => tracker.diff(index, &page),
-                            None if is_zero_page(&page) => Change::Zero,
                             None => Change::Full,
                         }
                     };
@@ -345,9 +378,17 @@ impl SourceRun<'_> {
                         Change::Unchanged => continue,
                         Change::Zero => {
                             builder.push(index, Encoding::Zero, &[]);
+                            self.encoder.observe_zero(index);
                             self.stats.pages_zero += 1;
                         }
-                        Change::Full => builder.push(index, Encoding::Raw, &page),
+                        Change::Full => match self.encoder.encode(index, &page, &mut self.codec_buf) {
+                            Encoded::Zero => {
+                                builder.push(index, Encoding::Zero, &[]);
+                                self.stats.pages_zero += 1;
+                            }
+                            Encoded::Raw => builder.push(index, Encoding::Raw, &page),
+                            Encoded::Record(tag) => builder.push(index, Encoding::from_codec_tag(tag), &self.codec_buf),
+                        },
                         Change::Partial(mask) => {
                             let g = self.options.granularity as usize;
                             encode_partial(&page, g, mask, &mut self.subpage_buf);
@@ -356,7 +397,7 @@ impl SourceRun<'_> {
                     }
                     it.pages_sent += 1;
                     if builder.len() as usize == RECORDS_PER_FRAME {
-                        wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
+                        self.write_pages(writer, builder.payload())?;
                         builder.reset(iteration);
                     }
                 }
@@ -370,7 +411,7 @@ impl SourceRun<'_> {
             });
         }
         if !builder.is_empty() {
-            wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
+            self.write_pages(writer, builder.payload())?;
             builder.reset(iteration);
         }
         let mut end = Vec::with_capacity(20);
@@ -490,6 +531,7 @@ impl SourceRun<'_> {
                 if let Some(tracker) = &mut self.subpage {
                     tracker.set(index, &page);
                 }
+                self.encoder.observe_raw(index, &page);
                 builder.push(index, Encoding::Raw, &page);
                 self.stats.pages_sent += 1;
                 if builder.len() as usize == RECORDS_PER_FRAME {
@@ -505,6 +547,38 @@ impl SourceRun<'_> {
         if let Some(tracker) = &mut self.subpage {
             tracker.stats.regions_repaired += regions.len() as u64;
         }
+        Ok(())
+    }
+}
+
+impl SourceRun<'_> {
+    /// Writes a PAGES payload, compressed with lz4/zstd when the stream
+    /// uses one, it shrinks the batch, and it pays at this bandwidth.
+    fn write_pages(&mut self, writer: &mut Writer, payload: &[u8]) -> Result<(), SourceError> {
+        if let Some(codec) = self.options.codecs.batch {
+            if self.batch_payoff.enabled() {
+                let start = Instant::now();
+                self.batch_buf.clear();
+                self.batch_buf.push(codec.id());
+                self.batch_buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+                let mut packed = std::mem::take(&mut self.codec_buf);
+                codec.compress(payload, &mut packed);
+                self.batch_buf.extend_from_slice(&packed);
+                self.codec_buf = packed;
+                self.batch_payoff.record(
+                    start.elapsed().as_secs_f64(),
+                    payload.len(),
+                    self.batch_buf.len().min(payload.len()),
+                    self.bandwidth,
+                );
+                if self.batch_buf.len() < payload.len() {
+                    self.encoder.count_batch(codec.name(), payload.len(), self.batch_buf.len());
+                    wire::write_frame(writer, FrameKind::PagesCompressed, &self.batch_buf)?;
+                    return Ok(());
+                }
+            }
+        }
+        wire::write_frame(writer, FrameKind::Pages, payload)?;
         Ok(())
     }
 }

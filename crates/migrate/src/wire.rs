@@ -59,6 +59,8 @@ pub enum FrameKind {
     Error = 10,
     /// Destination's memory differs in these digest regions; resend them.
     Mismatch = 11,
+    /// A PAGES payload compressed by lz4 or zstd.
+    PagesCompressed = 12,
 }
 
 impl FrameKind {
@@ -76,6 +78,7 @@ impl FrameKind {
             9 => Resumed,
             10 => Error,
             11 => Mismatch,
+            12 => PagesCompressed,
             _ => return None,
         })
     }

@@ -144,3 +144,32 @@ fn capped_bandwidth_bwmem_does_not_converge() {
     assert_eq!(stats.stop_reason, "max-iterations");
     assert_eq!(stats.iterations, 4);
 }
+
+#[test]
+fn every_codec_list_migrates_and_verifies() {
+    if !kvm_or_skip() {
+        return;
+    }
+    for codecs in [
+        "none",
+        "zero",
+        "zero,rle",
+        "zero,xbzrle=16M",
+        "zero,dedup=8M",
+        "zero,lz4",
+        "zero,zstd",
+        "zero,xbzrle=16M,dedup=8M,zstd",
+    ] {
+        for workload in ["kv", "stream", "fill-random"] {
+            let options = MigrateOptions {
+                codecs: codecs.parse().unwrap(),
+                // A slow link keeps every codec switched on (they pay there).
+                max_bandwidth: Some(200_000_000),
+                ..Default::default()
+            };
+            let args = format!("workload={workload} wss=16M");
+            let stats = migrate_sized(64 << 20, &args, options, Duration::from_millis(350));
+            assert!(stats.digest_verified, "{codecs} {workload}");
+        }
+    }
+}

@@ -1,0 +1,59 @@
+/// What a decoder found wrong with its input.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum CodecError {
+    /// A record claims more bytes than it has.
+    #[error("{codec} record for page {page} is truncated")]
+    Truncated {
+        /// Codec name.
+        codec: &'static str,
+        /// Page index.
+        page: u64,
+    },
+    /// The decoded data would not fit in a page.
+    #[error("{codec} record for page {page} overruns the page at offset {offset}")]
+    Overrun {
+        /// Codec name.
+        codec: &'static str,
+        /// Page index.
+        page: u64,
+        /// Where it went past the end.
+        offset: usize,
+    },
+    /// A record refers to a cache entry the decoder does not hold.
+    #[error("{codec} record for page {page} refers to a cache entry this side does not hold")]
+    CacheMiss {
+        /// Codec name.
+        codec: &'static str,
+        /// Page index.
+        page: u64,
+    },
+    /// Bytes left over after the record.
+    #[error("{codec} record for page {page} has {extra} trailing bytes")]
+    Trailing {
+        /// Codec name.
+        codec: &'static str,
+        /// Page index.
+        page: u64,
+        /// Bytes left.
+        extra: usize,
+    },
+    /// A compressed batch did not decompress.
+    #[error("{codec} batch does not decompress: {detail}")]
+    Batch {
+        /// Codec name.
+        codec: &'static str,
+        /// Why.
+        detail: String,
+    },
+    /// A codec list could not be parsed.
+    #[error("codec list: {0}")]
+    BadList(String),
+    /// A codec tag the decoder does not know or was not told about.
+    #[error("page {page} uses codec tag {tag}, which this stream did not enable")]
+    UnknownTag {
+        /// The tag.
+        tag: u8,
+        /// Page index.
+        page: u64,
+    },
+}
