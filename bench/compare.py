@@ -1256,7 +1256,29 @@ def plot_case(case, runs, out_dir):
     timeline_path = os.path.join(out_dir, f"{case}-timeline.png")
     fig.savefig(timeline_path, dpi=110)
     plt.close(fig)
-    return bars_path, timeline_path
+    paths = [bars_path, timeline_path]
+
+    # Bytes sent per iteration (the SPP paper's Figures 4-7): tsubame
+    # reports them; QEMU's query-migrate does not.
+    iterating = [(n, configs[n][0]) for n in names if (configs[n][0].get("vmm_stats") or {}).get("per_iteration")]
+    if iterating:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for name, run in iterating:
+            per = run["vmm_stats"]["per_iteration"]
+            ax.plot([i["index"] for i in per], [max(i["bytes_on_wire"], 1) / 2**20 for i in per], marker="o",
+                    color=colors[name], label=f"{name} ({run['vmm_stats'].get('stop_reason', '?')})")
+        ax.set_yscale("log")
+        ax.set_xlabel("iteration (the last one is stop-and-copy)")
+        ax.set_ylabel("MiB sent in the iteration")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{case}: bytes per iteration (first repetition)", fontsize=11)
+        fig.tight_layout()
+        iterations_path = os.path.join(out_dir, f"{case}-iterations.png")
+        fig.savefig(iterations_path, dpi=110)
+        plt.close(fig)
+        paths.append(iterations_path)
+    return paths
 
 
 # --------------------------------------------------------------------------
