@@ -75,6 +75,19 @@ pub enum Echo {
     Timestamped(Instant),
 }
 
+impl Echo {
+    /// From the `--quiet` and `--verbose` flags.
+    pub fn from_flags(quiet: bool, verbose: bool) -> Echo {
+        if quiet {
+            Echo::Quiet
+        } else if verbose {
+            Echo::Timestamped(std::time::Instant::now())
+        } else {
+            Echo::Plain
+        }
+    }
+}
+
 /// Follows a VM's console on a thread of its own.
 pub struct ConsoleFollower {
     /// Shared progress, updated as lines arrive.

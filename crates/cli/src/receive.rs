@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Args;
 use serde_json::{json, Value};
@@ -116,13 +116,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         incoming.cpu_seconds
     );
     let mut vm = incoming.vm;
-    let echo = if args.quiet {
-        Echo::Quiet
-    } else if args.verbose {
-        Echo::Timestamped(Instant::now())
-    } else {
-        Echo::Plain
-    };
+    let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
     let host = Host::new(Arc::new(vm), console, "received by migration".into());
     *control.host.lock().unwrap() = Some(host.clone());

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Args;
 use tsubame_vmm::{guest_elf, Vm, VmConfig};
@@ -105,13 +105,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         return Err(usage_error("--seconds must be a positive number"));
     }
     let mut vm = args.vm.boot()?;
-    let echo = if args.quiet {
-        Echo::Quiet
-    } else if args.verbose {
-        Echo::Timestamped(Instant::now())
-    } else {
-        Echo::Plain
-    };
+    let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
     vm.start(false)?;
     let host = Host::new(Arc::new(vm), console, args.vm.description());

@@ -10,12 +10,7 @@ use tsubame_migrate::{source, MigrateOptions, ProgressCell};
 use tsubame_vmm::{guest_elf, ConsoleLine, Vm, VmConfig};
 
 fn kvm_or_skip() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
-    eprintln!("skipped: no /dev/kvm");
-    false
+    tsubame_vmm::kvm::kvm_tests_enabled()
 }
 
 fn ops_until(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<u64> {

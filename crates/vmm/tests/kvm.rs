@@ -8,12 +8,7 @@ use crossbeam_channel::Receiver;
 use tsubame_vmm::{guest_elf::GUEST_ELF, memory, ConsoleLine, VcpuStatus, Vm, VmConfig};
 
 fn kvm_or_skip() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
-    eprintln!("skipped: no /dev/kvm");
-    false
+    tsubame_vmm::kvm::kvm_tests_enabled()
 }
 
 fn boot(memory_bytes: u64, args: &str) -> (Vm, Receiver<ConsoleLine>) {

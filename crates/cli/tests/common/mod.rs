@@ -9,15 +9,9 @@ pub fn tsubame() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tsubame"))
 }
 
-/// True when KVM tests can run; with TSUBAME_REQUIRE_KVM set, a missing
-/// /dev/kvm fails the test instead of skipping it.
+/// True when KVM tests can run (see `kvm_tests_enabled`).
 pub fn kvm_or_skip() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
-    eprintln!("skipped: no /dev/kvm");
-    false
+    tsubame_vmm::kvm::kvm_tests_enabled()
 }
 
 /// A fresh scratch directory under the system temp dir.
