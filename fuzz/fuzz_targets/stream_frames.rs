@@ -1,0 +1,48 @@
+//! Everything the destination parses from the network before using it:
+//! the preamble, frame headers with their CRC, and each payload kind.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tsubame_migrate::{digest, pages, wire};
+
+fuzz_target!(|data: &[u8]| {
+    let mut input = data;
+    let _ = wire::read_preamble(&mut input);
+    let mut buf = Vec::new();
+    // Frames as they come, CRC and all.
+    let mut frames = data;
+    for _ in 0..8 {
+        let Ok(kind) = wire::read_frame(&mut frames, &mut buf) else { break };
+        parse(kind, &buf);
+    }
+    // And every payload parser on the raw bytes (the CRC would stop most
+    // mutations before them otherwise).
+    for kind in [wire::FrameKind::Hello, wire::FrameKind::Pages, wire::FrameKind::Digest, wire::FrameKind::Mismatch] {
+        parse(kind, data);
+    }
+});
+
+fn parse(kind: wire::FrameKind, payload: &[u8]) {
+    match kind {
+        wire::FrameKind::Hello => {
+            let _ = wire::Hello::decode(payload);
+        }
+        wire::FrameKind::Pages => {
+            for granularity in [128, 4096] {
+                let _ = pages::for_each_record(payload, 1 << 18, granularity, |r| {
+                    if r.encoding == pages::Encoding::Subpage {
+                        pages::for_each_subpage(r.data, granularity, |_, _| {});
+                    }
+                    Ok(())
+                });
+            }
+        }
+        wire::FrameKind::Digest => {
+            let _ = digest::compare(payload, 1 << 20, &[0u64; 64]);
+        }
+        wire::FrameKind::Mismatch => {
+            let _ = digest::decode_mismatch(payload, 1 << 16);
+        }
+        _ => {}
+    }
+}
