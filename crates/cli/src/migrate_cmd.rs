@@ -44,11 +44,12 @@ pub struct MigrateFlags {
     /// shadow detector, XBZRLE is unnecessary: only changed bytes go out.
     #[arg(long, value_name = "BYTES", default_value_t = 4096)]
     pub granularity: u32,
-    /// How changed sub-pages are found: `shadow` keeps a copy of what was
-    /// sent (exact, up to the VM's memory size); `hash` keeps a 64-bit hash
-    /// per sub-page (1/16 of memory at 128 B) and relies on the final
-    /// memory verification to catch a collision.
-    #[arg(long, value_name = "DETECTOR", default_value = "shadow")]
+    /// How changed sub-pages are found: `hash` keeps a 64-bit hash per
+    /// sub-page (1/16 of memory at 128 B; the final memory verification
+    /// catches a collision and re-sends the region); `shadow` keeps a copy
+    /// of what was sent (exact, but as much memory as the VM, and slower
+    /// for full-page rewrites because every page is copied).
+    #[arg(long, value_name = "DETECTOR", default_value = "hash")]
     pub subpage_detect: String,
     /// Write the migration statistics as JSON to FILE.
     #[arg(long, value_name = "FILE")]

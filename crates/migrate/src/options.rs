@@ -60,7 +60,7 @@ impl Default for MigrateOptions {
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             granularity: 4096,
-            subpage_detector: Detector::Shadow,
+            subpage_detector: Detector::Hash,
             subpage_hash_mask: u64::MAX,
             codecs: CodecList { zero: true, ..CodecList::default() },
         }
