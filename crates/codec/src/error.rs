@@ -1,7 +1,10 @@
-/// What a decoder found wrong with its input.
+/// What a decoder found wrong with its input, or a bad codec list.
+///
+/// After a decoder returns an error its caches no longer match the
+/// encoder's: the stream must be abandoned.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum CodecError {
-    /// A record claims more bytes than it has.
+    /// A record ends before what it announces.
     #[error("{codec} record for page {page} is truncated")]
     Truncated {
         /// Codec name.
@@ -18,6 +21,16 @@ pub enum CodecError {
         page: u64,
         /// Where it went past the end.
         offset: usize,
+    },
+    /// A record breaks a rule of its format.
+    #[error("{codec} record for page {page} is malformed: {what}")]
+    Malformed {
+        /// Codec name.
+        codec: &'static str,
+        /// Page index.
+        page: u64,
+        /// The rule.
+        what: &'static str,
     },
     /// A record refers to a cache entry the decoder does not hold.
     #[error("{codec} record for page {page} refers to a cache entry this side does not hold")]
