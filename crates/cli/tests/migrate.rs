@@ -9,9 +9,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{kvm_or_skip, scratch, tsubame};
+use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
 use serde_json::{json, Value};
 use tsubame_migrate::wire::{self, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
 
@@ -25,14 +25,6 @@ fn control(socket: &Path, request: Value) -> Value {
         reply.push(byte[0] as char);
     }
     serde_json::from_str(&reply).unwrap()
-}
-
-fn wait_for_socket(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(path).is_err() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 struct Proc(Child);

@@ -5,9 +5,9 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{kvm_or_skip, ops_in, scratch, tsubame};
+use common::{kvm_or_skip, ops_in, scratch, tsubame, wait_for_socket};
 
 #[test]
 fn run_prints_progress_and_throughput() {
@@ -64,14 +64,7 @@ fn control_socket_stats_pause_resume_quit() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut stream = loop {
-        if let Ok(s) = UnixStream::connect(&socket) {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "control socket never appeared");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let mut stream = wait_for_socket(&socket);
     std::thread::sleep(Duration::from_millis(500));
     let stats = request(&mut stream, r#"{"cmd":"stats"}"#);
     assert_eq!(stats["ok"], true);

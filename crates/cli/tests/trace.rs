@@ -3,9 +3,9 @@
 mod common;
 
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{kvm_or_skip, scratch, tsubame};
+use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
 
 #[test]
 fn trace_simulate_plan() {
@@ -21,11 +21,7 @@ fn trace_simulate_plan() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_socket(&socket);
     std::thread::sleep(Duration::from_millis(500));
     let out = tsubame()
         .arg("trace")

@@ -26,3 +26,15 @@ pub fn scratch(name: &str) -> PathBuf {
 pub fn ops_in(text: &str) -> Vec<u64> {
     text.lines().filter_map(|l| l.strip_prefix("tsb ops=")?.split(' ').next()?.parse().ok()).collect()
 }
+
+/// Waits (10 s at most) until something listens on the Unix socket `path`.
+pub fn wait_for_socket(path: &std::path::Path) -> std::os::unix::net::UnixStream {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Ok(stream) = std::os::unix::net::UnixStream::connect(path) {
+            return stream;
+        }
+        assert!(std::time::Instant::now() < deadline, "{} never appeared", path.display());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
