@@ -129,7 +129,6 @@ fn apply_pages(
     let page_count = memory::page_count(mem);
     let zero_page = [0u8; PAGE_SIZE];
     let mut page = [0u8; PAGE_SIZE];
-    let mut codec_error = None;
     for_each_record(frame, page_count, granularity, |record| {
         let word = &mut touched[(record.page_index / 64) as usize];
         let bit = 1u64 << (record.page_index % 64);
@@ -164,7 +163,6 @@ fn apply_pages(
                 *word |= bit;
                 let tag = record.encoding.codec_tag().expect("codec encodings have tags");
                 if let Err(e) = decoder.decode(index, tag, record.data, &mut page) {
-                    codec_error = Some(e.to_string());
                     return Err(WireError::BadField { field: "pages.codec_record", detail: e.to_string() });
                 }
                 memory::write(mem, addr, &page)
