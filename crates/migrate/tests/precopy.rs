@@ -42,7 +42,10 @@ fn migrate_sized(
     vm.start(false).unwrap();
     let before = ops_until(&console, watch);
 
-    let path = std::env::temp_dir().join(format!("tsubame-precopy-{}-{}", std::process::id(), args.len()));
+    // Tests run in parallel threads of one process: a counter keeps paths apart.
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("tsubame-precopy-{}-{n}", std::process::id()));
     let addr = Address::Unix(path);
     let listener = Listener::bind(&addr).unwrap();
     let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}));
