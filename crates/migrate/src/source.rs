@@ -17,6 +17,7 @@ use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, Migr
 use crate::subpage::{encode_partial, Change, SubpageTracker};
 use crate::transport::{Address, Metered, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
+use tsubame_codec::batch::BatchCompressor;
 use tsubame_codec::chooser::Payoff;
 use tsubame_codec::{Encoded, PageEncoder};
 
@@ -96,6 +97,7 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         codec_buf: Vec::with_capacity(2 * PAGE_SIZE),
         batch_buf: Vec::new(),
         batch_payoff: Payoff::default(),
+        compressor: options.codecs.batch.map(BatchCompressor::new),
         bandwidth: f64::INFINITY,
     };
     progress.update(|p| {
@@ -190,6 +192,8 @@ struct SourceRun<'a> {
     batch_buf: Vec<u8>,
     /// Whether batch compression pays at the current bandwidth.
     batch_payoff: Payoff,
+    /// lz4/zstd with its context kept between batches.
+    compressor: Option<BatchCompressor>,
     /// Current measured bandwidth, bytes per second.
     bandwidth: f64,
 }
@@ -555,14 +559,15 @@ impl SourceRun<'_> {
     /// Writes a PAGES payload, compressed with lz4/zstd when the stream
     /// uses one, it shrinks the batch, and it pays at this bandwidth.
     fn write_pages(&mut self, writer: &mut Writer, payload: &[u8]) -> Result<(), SourceError> {
-        if let Some(codec) = self.options.codecs.batch {
+        if let Some(compressor) = &mut self.compressor {
             if self.batch_payoff.enabled() {
                 let start = Instant::now();
+                let codec = compressor.codec();
                 self.batch_buf.clear();
                 self.batch_buf.push(codec.id());
                 self.batch_buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
                 let mut packed = std::mem::take(&mut self.codec_buf);
-                codec.compress(payload, &mut packed);
+                compressor.compress(payload, &mut packed);
                 self.batch_buf.extend_from_slice(&packed);
                 self.codec_buf = packed;
                 self.batch_payoff.record(
