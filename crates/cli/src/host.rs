@@ -273,6 +273,21 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
             .parse()
             .map_err(|e: tsubame_codec::CodecError| e.to_string())?;
     }
+    if let Some(n) = number("channels")? {
+        options.channels = u16::try_from(n).map_err(|_| "\"channels\" is too large".to_string())?;
+    }
+    if let Some(n) = number("encode_threads")? {
+        options.encode_threads = u16::try_from(n).map_err(|_| "\"encode_threads\" is too large".to_string())?;
+    }
+    if let Some(n) = number("batch_pages")? {
+        options.batch_pages = n;
+    }
+    if let Some(n) = number("buffers")? {
+        options.buffers = usize::try_from(n).map_err(|_| "\"buffers\" is too large".to_string())?;
+    }
+    if let Some(v) = request.get("pipeline") {
+        options.pipeline = v.as_bool().ok_or("\"pipeline\" must be true or false")?;
+    }
     if let Some(v) = request.get("abort_if_not_converged") {
         options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
     }
@@ -291,6 +306,11 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
         "abort_if_not_converged": options.abort_if_not_converged,
         "granularity": options.granularity,
         "codec": options.codecs.to_string(),
+        "channels": options.channels,
+        "encode_threads": options.encode_threads,
+        "batch_pages": options.batch_pages,
+        "buffers": options.buffers,
+        "pipeline": options.pipeline,
         "subpage_detect": match options.subpage_detector {
             tsubame_migrate::subpage::Detector::Shadow => "shadow",
             tsubame_migrate::subpage::Detector::Hash => "hash",

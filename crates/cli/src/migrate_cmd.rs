@@ -51,6 +51,27 @@ pub struct MigrateFlags {
     /// for full-page rewrites because every page is copied).
     #[arg(long, value_name = "DETECTOR", default_value = "hash")]
     pub subpage_detect: String,
+    /// Parallel connections to the destination. Pages are split into
+    /// codec shards by page index; each shard always travels on the same
+    /// channel, so its codec caches agree on both ends.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub channels: u16,
+    /// Threads encoding pages (one codec shard each); default: every core
+    /// but one.
+    #[arg(long, value_name = "N")]
+    pub encode_threads: Option<u16>,
+    /// Pages per batch handed from the fetch stage to an encoder (a
+    /// multiple of 64, 64 to 4096).
+    #[arg(long, value_name = "PAGES", default_value_t = 1024)]
+    pub batch_pages: u64,
+    /// Buffers per pipeline stage: how far fetch may run ahead of encode,
+    /// and encode ahead of send.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub buffers: usize,
+    /// Run fetch, encode and send in turn on one thread instead of a
+    /// pipeline (to measure what the pipeline gains).
+    #[arg(long)]
+    pub no_pipeline: bool,
     /// Write the migration statistics as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -78,6 +99,11 @@ impl MigrateFlags {
             abort_if_not_converged: self.abort_if_not_converged,
             granularity: self.granularity,
             subpage_detector,
+            channels: self.channels,
+            encode_threads: self.encode_threads.unwrap_or_else(tsubame_migrate::options::default_encode_threads),
+            batch_pages: self.batch_pages,
+            buffers: self.buffers,
+            pipeline: !self.no_pipeline,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
@@ -109,14 +135,16 @@ pub fn progress_bar() -> ProgressBar {
 /// The bar's text for a `progress` object of `query-migrate`.
 pub fn progress_message(p: &Value) -> String {
     let get = |k: &str| p.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let pipeline = p.get("pipeline").and_then(Value::as_str).filter(|s| !s.is_empty());
     format!(
-        "{} · iteration {} · dirty {} pages · {} left · {}/s · {} sent",
+        "{} · iteration {} · dirty {} pages · {} left · {}/s · {} sent{}",
         p.get("phase").and_then(Value::as_str).unwrap_or("?"),
         get("iteration"),
         get("dirty_pages"),
         format_bytes(get("remaining_pages") as u64 * 4096),
         format_bytes(get("bandwidth") as u64),
         format_bytes(get("bytes_on_wire") as u64),
+        pipeline.map(|p| format!(" · {p}")).unwrap_or_default(),
     )
 }
 
@@ -172,6 +200,34 @@ pub fn print_summary(stats: &Value) {
             n("pages_full"),
             n("pages_unchanged"),
             n("pages_zeroed"),
+        );
+    }
+    if let Some(pipeline) = stats.get("pipeline") {
+        let stages: Vec<String> = pipeline
+            .get("stages")
+            .and_then(Value::as_array)
+            .map(|stages| {
+                stages
+                    .iter()
+                    .map(|s| {
+                        let n = |k: &str| s.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                        format!(
+                            "{} ×{} busy {:.2} s, waiting {:.2} s, {:.2} CPU-s",
+                            s.get("name").and_then(Value::as_str).unwrap_or("?"),
+                            n("threads"),
+                            n("busy_seconds"),
+                            n("wait_input_seconds") + n("wait_output_seconds"),
+                            n("cpu_seconds")
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        println!(
+            "  pipeline:    {}, {} channel(s): {}",
+            pipeline.get("mode").and_then(Value::as_str).unwrap_or("?"),
+            pipeline.get("channels").and_then(Value::as_u64).unwrap_or(1),
+            stages.join("; ")
         );
     }
     println!(

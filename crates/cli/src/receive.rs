@@ -102,7 +102,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         let Some(stream) = listener.accept_until(&|| control.quit.load(Ordering::Acquire))? else {
             return Ok(()); // quit before a VM arrived
         };
-        match receive_on(stream, &options, &log) {
+        match receive_on(stream, Some(&listener), &options, &log) {
             Ok(incoming) => break incoming,
             Err(e) if args.once => return Err(anyhow::anyhow!("incoming migration failed: {e}")),
             Err(e) => eprintln!("tsubame: incoming migration failed: {e}; waiting for the next one"),

@@ -5,8 +5,12 @@
 //! on any failure the half-built VM is dropped and the source told why.
 
 use std::io::{BufReader, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{bounded, Receiver, Sender};
+use tsubame_vmm::memory::GuestMemory;
 use tsubame_vmm::{memory, Vm, VmConfig, VmState, PAGE_SIZE};
 
 use crate::digest;
@@ -65,6 +69,14 @@ pub enum ReceiveError {
     /// The VM state blob did not decode.
     #[error("VM state frame does not decode: {0}")]
     BadState(String),
+    /// An extra channel failed.
+    #[error("channel {channel}: {source}")]
+    Channel {
+        /// Which channel.
+        channel: u16,
+        /// What went wrong on it.
+        source: Box<ReceiveError>,
+    },
 }
 
 impl From<std::io::Error> for ReceiveError {
@@ -79,7 +91,7 @@ pub struct Incoming {
     pub vm: Vm,
     /// Iterations received (stop-and-copy included).
     pub iterations: u32,
-    /// Bytes read from the stream.
+    /// Bytes read from the stream (every channel).
     pub bytes: u64,
     /// CPU-seconds this process spent from connection to resume.
     pub cpu_seconds: f64,
@@ -90,27 +102,97 @@ pub struct Incoming {
 /// Counts bytes read.
 struct Counted<R> {
     inner: R,
-    bytes: u64,
+    bytes: Arc<AtomicU64>,
 }
 
 impl<R: Read> Read for Counted<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
-        self.bytes += n as u64;
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 }
 
-/// Decompresses a PAGES_COMPRESSED payload (compressor u8, length u32,
-/// bytes) into `out`, never past the frame size limit. The decompressor
-/// keeps its context: creating a zstd context per batch cost ~1 ms each.
+/// Where an incoming VM lands: a real VM, or (fuzzing, tests) plain memory.
+pub trait Landing {
+    /// Maps guest memory of this size (already range-checked).
+    fn create(&mut self, memory_bytes: u64) -> Result<Arc<GuestMemory>, ReceiveError>;
+    /// Loads the vCPU and device state.
+    fn restore(&mut self, state: &VmState) -> Result<(), ReceiveError>;
+    /// Runs the guest: the source has committed.
+    fn start(&mut self) -> Result<(), ReceiveError>;
+}
+
+/// Lands the VM in a KVM VM.
+struct VmLanding {
+    vm: Option<Vm>,
+    hugepages: bool,
+}
+
+impl Landing for VmLanding {
+    fn create(&mut self, memory_bytes: u64) -> Result<Arc<GuestMemory>, ReceiveError> {
+        let vm = self.vm.insert(Vm::create(&VmConfig { memory_bytes, hugepages: self.hugepages })?);
+        Ok(vm.memory().clone())
+    }
+
+    fn restore(&mut self, state: &VmState) -> Result<(), ReceiveError> {
+        Ok(self.vm.as_mut().expect("created first").restore_state(state)?)
+    }
+
+    fn start(&mut self) -> Result<(), ReceiveError> {
+        Ok(self.vm.as_mut().expect("created first").start(false)?)
+    }
+}
+
+/// Lands the VM's memory in plain memory (no KVM): for fuzzing the
+/// receiver and for tests. Refuses memory above `max_bytes`.
+pub struct MemoryLanding {
+    /// Largest memory accepted.
+    pub max_bytes: u64,
+    /// The memory, once created.
+    pub memory: Option<Arc<GuestMemory>>,
+    /// True once the source committed.
+    pub started: bool,
+}
+
+impl Landing for MemoryLanding {
+    fn create(&mut self, memory_bytes: u64) -> Result<Arc<GuestMemory>, ReceiveError> {
+        if memory_bytes > self.max_bytes {
+            return Err(ReceiveError::Mismatch(format!("{memory_bytes} bytes of memory exceed {}", self.max_bytes)));
+        }
+        let mem = Arc::new(memory::create(memory_bytes, false).map_err(tsubame_vmm::VmError::from)?);
+        Ok(self.memory.insert(mem).clone())
+    }
+
+    fn restore(&mut self, _state: &VmState) -> Result<(), ReceiveError> {
+        Ok(())
+    }
+
+    fn start(&mut self) -> Result<(), ReceiveError> {
+        self.started = true;
+        Ok(())
+    }
+}
+
+/// Decompresses a PAGES_COMPRESSED payload (shard u16, compressor u8,
+/// length u32, bytes) into `out`, never past the frame size limit. The
+/// decompressor keeps its context: creating a zstd context per batch cost
+/// ~1 ms each.
 fn unpack(frame: &[u8], decompressor: &mut BatchDecompressor, out: &mut Vec<u8>) -> Result<(), ReceiveError> {
     let mut f = crate::wire::Fields::new(FrameKind::PagesCompressed, frame);
+    let _shard = f.u16()?;
     let id = f.u8()?;
     let len = f.u32()? as usize;
     decompressor
         .decompress(id, f.rest(), len, wire::MAX_PAYLOAD, out)
         .map_err(|e| WireError::BadField { field: "pages_compressed", detail: e.to_string() })?;
+    if crate::pages::shard_of(FrameKind::Pages, out)? != crate::pages::shard_of(FrameKind::PagesCompressed, frame)? {
+        return Err(WireError::BadField {
+            field: "pages.shard",
+            detail: "differs from its PAGES_COMPRESSED frame".into(),
+        }
+        .into());
+    }
     Ok(())
 }
 
@@ -123,37 +205,36 @@ const MAX_REPAIR_ROUNDS: u32 = 2;
 /// codecs' caches see every page as the sender's did.
 fn apply_pages(
     frame: &[u8],
-    vm: &Vm,
+    mem: &GuestMemory,
     granularity: usize,
-    touched: &mut [u64],
+    touched: &[AtomicU64],
     decoder: &mut PageDecoder,
 ) -> Result<(), ReceiveError> {
-    let mem = vm.memory();
     let page_count = memory::page_count(mem);
     let zero_page = [0u8; PAGE_SIZE];
     let mut page = [0u8; PAGE_SIZE];
     for_each_record(frame, page_count, granularity, |record| {
-        let word = &mut touched[(record.page_index / 64) as usize];
+        let word = &touched[(record.page_index / 64) as usize];
         let bit = 1u64 << (record.page_index % 64);
         let index = record.page_index;
         let addr = index * PAGE_SIZE as u64;
         let result = match record.encoding {
             Encoding::Raw => {
-                *word |= bit;
+                word.fetch_or(bit, Ordering::Relaxed);
                 page.copy_from_slice(record.data);
                 decoder.observe(index, &page);
                 memory::write(mem, addr, record.data)
             }
             Encoding::Zero => {
                 decoder.observe_zero(index);
-                if *word & bit != 0 {
+                if word.load(Ordering::Relaxed) & bit != 0 {
                     memory::write(mem, addr, &zero_page)
                 } else {
                     Ok(())
                 }
             }
             Encoding::Subpage => {
-                *word |= bit;
+                word.fetch_or(bit, Ordering::Relaxed);
                 let mut result = Ok(());
                 for_each_subpage(record.data, granularity, |offset, bytes| {
                     if result.is_ok() {
@@ -163,7 +244,7 @@ fn apply_pages(
                 result
             }
             Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => {
-                *word |= bit;
+                word.fetch_or(bit, Ordering::Relaxed);
                 let tag = record.encoding.codec_tag().expect("codec encodings have tags");
                 if let Err(e) = decoder.decode(index, tag, record.data, &mut page) {
                     return Err(WireError::BadField { field: "pages.codec_record", detail: e.to_string() });
@@ -176,28 +257,44 @@ fn apply_pages(
     Ok(())
 }
 
-/// Accepts one connection and receives a VM over it. `log` hears the
-/// milestones (for the CLI's stderr).
+/// Accepts one connection and receives a VM over it (and over the extra
+/// channels it announces, accepted from the same listener). `log` hears
+/// the milestones (for the CLI's stderr).
 pub fn receive(listener: &Listener, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
     let stream = listener.accept()?;
-    receive_on(stream, options, log)
+    receive_on(stream, Some(listener), options, log)
 }
 
-/// Receives a VM over an accepted connection.
-pub fn receive_on(stream: Stream, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
+/// Receives a VM over an accepted connection; extra channels, if the
+/// source asks for them, come from `listener`.
+pub fn receive_on(
+    stream: Stream,
+    listener: Option<&Listener>,
+    options: &ReceiveOptions,
+    log: &dyn Fn(&str),
+) -> Result<Incoming, ReceiveError> {
     let started = Instant::now();
     let cpu_start = process_cpu_seconds();
     stream.set_read_timeout(Some(options.io_timeout))?;
     let mut writer = stream.try_clone()?;
-    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes: 0 };
-    let result = Receiver { options, log, frame: Vec::new(), iterations: 0 }.run(&mut reader, &mut writer);
+    let bytes = Arc::new(AtomicU64::new(0));
+    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream.try_clone()?), bytes: bytes.clone() };
+    let mut landing = VmLanding { vm: None, hugepages: options.hugepages };
+    let channels = ChannelSource { listener, first: stream, bytes: bytes.clone() };
+    let result = StreamReceiver::new(options, log).run(&mut reader, &mut writer, &mut landing, Some(&channels));
     match result {
-        Ok((vm, iterations)) => {
+        Ok(iterations) => {
             let cpu = process_cpu_seconds() - cpu_start;
             // Tell the source we run, and what it cost us.
             let micros = ((cpu * 1e6) as u64).to_le_bytes();
             let _ = wire::write_frame(&mut writer, FrameKind::Resumed, &micros).and_then(|_| writer.flush());
-            Ok(Incoming { vm, iterations, bytes: reader.bytes, cpu_seconds: cpu, duration: started.elapsed() })
+            Ok(Incoming {
+                vm: landing.vm.expect("a received VM exists"),
+                iterations,
+                bytes: bytes.load(Ordering::Relaxed),
+                cpu_seconds: cpu,
+                duration: started.elapsed(),
+            })
         }
         Err(e) => {
             if !matches!(e, ReceiveError::SourceAborted(_)) {
@@ -211,14 +308,177 @@ pub fn receive_on(stream: Stream, options: &ReceiveOptions, log: &dyn Fn(&str)) 
     }
 }
 
-struct Receiver<'a> {
+/// Runs the receiver's state machine over one byte stream into `landing`
+/// (no extra channels): the fuzz target's entry, and tests'.
+pub fn receive_stream(
+    reader: &mut impl Read,
+    writer: &mut impl Write,
+    landing: &mut dyn Landing,
+    options: &ReceiveOptions,
+) -> Result<u32, ReceiveError> {
+    StreamReceiver::new(options, &|_| {}).run(reader, writer, landing, None)
+}
+
+/// Where extra channels come from.
+struct ChannelSource<'a> {
+    listener: Option<&'a Listener>,
+    first: Stream,
+    bytes: Arc<AtomicU64>,
+}
+
+impl ChannelSource<'_> {
+    /// Accepts the source's channels 1..count of `session`, in any order.
+    fn accept(&self, session: u64, count: u16, timeout: Duration) -> Result<Vec<Stream>, ReceiveError> {
+        let mut streams: Vec<Option<Stream>> = (1..count).map(|_| None).collect();
+        if count <= 1 {
+            return Ok(Vec::new());
+        }
+        let Some(listener) = self.listener else {
+            return Err(ReceiveError::Mismatch(format!("the source wants {count} channels; this receiver takes one")));
+        };
+        let deadline = Instant::now() + timeout;
+        let mut frame = Vec::new();
+        while streams.iter().any(Option::is_none) {
+            let Some(stream) = listener.accept_until(&|| Instant::now() > deadline)? else {
+                return Err(ReceiveError::Mismatch(format!(
+                    "the source's channels did not all connect within {} s",
+                    timeout.as_secs()
+                )));
+            };
+            stream.set_read_timeout(Some(timeout))?;
+            let mut reader = stream.try_clone()?;
+            let mut writer = stream.try_clone()?;
+            wire::read_preamble(&mut reader)?;
+            wire::write_preamble(&mut writer, wire::VERSION)?;
+            let (got_session, channel) = match wire::read_frame(&mut reader, &mut frame)? {
+                FrameKind::Channel => wire::decode_channel(&frame)?,
+                other => return Err(WireError::Unexpected { got: other, expected: "CHANNEL" }.into()),
+            };
+            if got_session != session || channel == 0 || channel >= count || streams[channel as usize - 1].is_some() {
+                // Someone else's connection, or a duplicate: not ours to use.
+                stream.shutdown();
+                continue;
+            }
+            streams[channel as usize - 1] = Some(stream);
+        }
+        Ok(streams.into_iter().map(|s| s.expect("all accepted")).collect())
+    }
+}
+
+/// What the channel readers and shard workers share.
+struct Shared {
+    /// Per shard: iterations fully applied (count, so 0 = none yet).
+    applied: Mutex<Vec<u32>>,
+    changed: Condvar,
+    /// The first failure of any thread.
+    failure: Mutex<Option<ReceiveError>>,
+    /// Every channel's stream, shut down on failure to wake blocked reads.
+    streams: Mutex<Vec<Stream>>,
+    /// The source finished: a closed channel is expected now.
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    fn fail(&self, e: ReceiveError) {
+        let mut failure = self.failure.lock().unwrap();
+        if failure.is_none() {
+            *failure = Some(e);
+        }
+        drop(failure);
+        for s in self.streams.lock().unwrap().iter() {
+            s.shutdown();
+        }
+        self.changed.notify_all();
+    }
+
+    fn take_failure(&self) -> Option<ReceiveError> {
+        self.failure.lock().unwrap().take()
+    }
+
+    /// Waits until every shard applied iterations up to `iteration`.
+    fn wait_applied(&self, iteration: u32) -> Result<(), ReceiveError> {
+        let mut applied = self.applied.lock().unwrap();
+        loop {
+            if let Some(e) = self.take_failure() {
+                return Err(e);
+            }
+            if applied.iter().all(|&a| a > iteration) {
+                return Ok(());
+            }
+            applied = self.changed.wait_timeout(applied, Duration::from_millis(100)).unwrap().0;
+        }
+    }
+}
+
+/// Work for a shard's decoder.
+enum ShardWork {
+    /// A PAGES or PAGES_COMPRESSED frame; the buffer goes back to `pool`.
+    Frame { kind: FrameKind, payload: Vec<u8>, pool: Sender<Vec<u8>> },
+    /// Every earlier frame of this shard belongs to iterations ≤ this.
+    End(u32),
+}
+
+/// Hands frames of one channel to the decoders of the shards it carries.
+struct Dispatcher {
+    channel: u16,
+    channels: u16,
+    to_shards: Vec<Sender<ShardWork>>,
+    pool_tx: Sender<Vec<u8>>,
+    pool_rx: Receiver<Vec<u8>>,
+}
+
+impl Dispatcher {
+    /// Passes a pages frame held in `frame` on (swapping in a free buffer).
+    fn pages(&self, kind: FrameKind, frame: &mut Vec<u8>) -> Result<(), ReceiveError> {
+        let shard = crate::pages::shard_of(kind, frame)?;
+        if shard as usize >= self.to_shards.len() || shard % self.channels != self.channel {
+            return Err(WireError::BadField {
+                field: "pages.shard",
+                detail: format!("{shard} does not travel on channel {}", self.channel),
+            }
+            .into());
+        }
+        let spare = self.pool_rx.recv().map_err(|_| stopped())?;
+        let payload = std::mem::replace(frame, spare);
+        self.to_shards[shard as usize]
+            .send(ShardWork::Frame { kind, payload, pool: self.pool_tx.clone() })
+            .map_err(|_| stopped())
+    }
+
+    /// ITERATION_END on this channel: mark it in each of its shards.
+    fn end(&self, frame: &[u8]) -> Result<u32, ReceiveError> {
+        let mut f = crate::wire::Fields::new(FrameKind::IterationEnd, frame);
+        let iteration = f.u32()?;
+        let _records = f.u64()?;
+        f.finish()?;
+        for (shard, queue) in self.to_shards.iter().enumerate() {
+            if shard as u16 % self.channels == self.channel {
+                queue.send(ShardWork::End(iteration)).map_err(|_| stopped())?;
+            }
+        }
+        Ok(iteration)
+    }
+}
+
+fn stopped() -> ReceiveError {
+    ReceiveError::Mismatch("a receiving thread stopped".into())
+}
+
+struct StreamReceiver<'a> {
     options: &'a ReceiveOptions,
     log: &'a dyn Fn(&str),
     frame: Vec<u8>,
     iterations: u32,
 }
 
-impl Receiver<'_> {
+/// Frame buffers each channel keeps in flight.
+const BUFFERS_PER_CHANNEL: usize = 8;
+
+impl<'a> StreamReceiver<'a> {
+    fn new(options: &'a ReceiveOptions, log: &'a dyn Fn(&str)) -> Self {
+        StreamReceiver { options, log, frame: Vec::new(), iterations: 0 }
+    }
+
     fn next(&mut self, reader: &mut impl Read) -> Result<FrameKind, ReceiveError> {
         match wire::read_frame(reader, &mut self.frame)? {
             FrameKind::Error => Err(ReceiveError::SourceAborted(
@@ -228,7 +488,13 @@ impl Receiver<'_> {
         }
     }
 
-    fn run(mut self, reader: &mut impl Read, writer: &mut impl Write) -> Result<(Vm, u32), ReceiveError> {
+    fn run(
+        mut self,
+        reader: &mut impl Read,
+        writer: &mut impl Write,
+        landing: &mut dyn Landing,
+        channels: Option<&ChannelSource>,
+    ) -> Result<u32, ReceiveError> {
         wire::write_preamble(writer, wire::VERSION)?;
         wire::read_preamble(reader)?;
         let hello = match self.next(reader)? {
@@ -247,43 +513,148 @@ impl Receiver<'_> {
             .codecs
             .parse()
             .map_err(|e| ReceiveError::Mismatch(format!("source's codecs '{}': {e}", hello.codecs)))?;
-        let mut decoder = PageDecoder::new(&codecs);
-        let mut decompressor = BatchDecompressor::default();
-        let mut unpacked = Vec::new();
-        let mut vm = Vm::create(&VmConfig { memory_bytes: hello.memory_bytes, hugepages: self.options.hugepages })?;
+        if hello.channels > 1 && channels.is_none_or(|c| c.listener.is_none()) {
+            return Err(ReceiveError::Mismatch(format!(
+                "the source wants {} channels; this receiver takes one",
+                hello.channels
+            )));
+        }
+        let mem = landing.create(hello.memory_bytes)?;
         wire::write_frame(writer, FrameKind::Accept, &[])?;
         writer.flush()?;
-        (self.log)(&format!("receiving a VM with {} MiB of memory", hello.memory_bytes >> 20));
+        (self.log)(&format!(
+            "receiving a VM with {} MiB of memory over {} channel(s)",
+            hello.memory_bytes >> 20,
+            hello.channels
+        ));
+        let extra = match channels {
+            Some(source) => source.accept(hello.session, hello.channels, self.options.io_timeout)?,
+            None => Vec::new(),
+        };
 
-        let page_count = memory::page_count(vm.memory());
+        let shared = Arc::new(Shared {
+            applied: Mutex::new(vec![0; hello.shards as usize]),
+            changed: Condvar::new(),
+            failure: Mutex::new(None),
+            streams: Mutex::new(extra.iter().map(|s| s.try_clone()).collect::<Result<_, _>>()?),
+            done: std::sync::atomic::AtomicBool::new(false),
+        });
+        if let Some(source) = channels {
+            shared.streams.lock().unwrap().push(source.first.try_clone()?);
+        }
+        let page_count = memory::page_count(&mem);
+        let touched: Arc<Vec<AtomicU64>> = Arc::new((0..page_count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+        let shard_list = crate::pipeline::shard_codecs(&codecs, hello.shards);
         let granularity = hello.granularity as usize;
-        let mut touched = vec![0u64; page_count.div_ceil(64) as usize];
-        let state: VmState;
-        loop {
-            match self.next(reader)? {
-                FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched, &mut decoder)?,
-                FrameKind::PagesCompressed => {
-                    unpack(&self.frame, &mut decompressor, &mut unpacked)?;
-                    apply_pages(&unpacked, &vm, granularity, &mut touched, &mut decoder)?
+        let mut to_shards = Vec::new();
+        let mut workers = Vec::new();
+        for shard in 0..hello.shards {
+            let (tx, rx) = bounded::<ShardWork>(BUFFERS_PER_CHANNEL);
+            let worker = ShardWorker {
+                shard,
+                mem: mem.clone(),
+                granularity,
+                touched: touched.clone(),
+                decoder: PageDecoder::new(&shard_list),
+                shared: shared.clone(),
+            };
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("decode-{shard}"))
+                    .spawn(move || worker.run(rx))
+                    .expect("spawn decoder"),
+            );
+            to_shards.push(tx);
+        }
+        let dispatcher = |channel: u16| {
+            let (pool_tx, pool_rx) = bounded(BUFFERS_PER_CHANNEL + 2);
+            for _ in 0..BUFFERS_PER_CHANNEL + 2 {
+                pool_tx.send(Vec::new()).expect("pool has room");
+            }
+            Dispatcher { channel, channels: hello.channels, to_shards: to_shards.clone(), pool_tx, pool_rx }
+        };
+        let mut readers = Vec::new();
+        for (i, stream) in extra.into_iter().enumerate() {
+            let dispatch = dispatcher(i as u16 + 1);
+            let shared = shared.clone();
+            let bytes = channels.map(|c| c.bytes.clone()).unwrap_or_default();
+            readers.push(
+                std::thread::Builder::new()
+                    .name(format!("receive-{}", i + 1))
+                    .spawn(move || channel_loop(stream, dispatch, bytes, shared))
+                    .expect("spawn channel reader"),
+            );
+        }
+        let main = dispatcher(0);
+        drop(to_shards);
+        let result = self.receive_memory(reader, writer, &main, &shared, &mem, hello.digest_region);
+        shared.done.store(true, Ordering::Release);
+        drop(main);
+        let state = match result {
+            Ok(state) => state,
+            Err(e) => {
+                shared.fail(ReceiveError::Mismatch("stopped".into()));
+                for r in readers {
+                    let _ = r.join();
+                }
+                return Err(e);
+            }
+        };
+        landing.restore(&state)?;
+        wire::write_frame(writer, FrameKind::Ready, &[])?;
+        writer.flush()?;
+        (self.log)("memory verified; ready, waiting for commit");
+        match self.next(reader)? {
+            FrameKind::Commit => {}
+            other => return Err(WireError::Unexpected { got: other, expected: "COMMIT" }.into()),
+        }
+        landing.start()?;
+        (self.log)("committed; the VM runs here now");
+        drop(readers); // they end when the source closes its channels
+        drop(workers);
+        Ok(self.iterations)
+    }
+
+    /// Pages until STATE, then the digest check and repair passes; returns
+    /// the VM state once the memory matches.
+    fn receive_memory(
+        &mut self,
+        reader: &mut impl Read,
+        writer: &mut impl Write,
+        main: &Dispatcher,
+        shared: &Shared,
+        mem: &Arc<GuestMemory>,
+        region: u32,
+    ) -> Result<VmState, ReceiveError> {
+        let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
+        let mut last_iteration = None;
+        let state: VmState = loop {
+            match self.next(reader).map_err(with_failure)? {
+                kind @ (FrameKind::Pages | FrameKind::PagesCompressed) => {
+                    main.pages(kind, &mut self.frame).map_err(with_failure)?
                 }
                 FrameKind::IterationEnd => {
+                    last_iteration = Some(main.end(&self.frame).map_err(with_failure)?);
                     self.iterations += 1;
                 }
                 FrameKind::State => {
-                    state = postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
-                    break;
+                    break postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
                 }
                 other => {
                     return Err(WireError::Unexpected { got: other, expected: "PAGES, ITERATION_END or STATE" }.into())
                 }
             }
-        }
+        };
+        let Some(final_iteration) = last_iteration else {
+            return Err(WireError::Unexpected { got: FrameKind::State, expected: "ITERATION_END" }.into());
+        };
+        // Every channel's last pages are applied before memory is hashed.
+        shared.wait_applied(final_iteration)?;
         // STATE ends the pages: hash our memory while the source hashes its own.
-        let mem = vm.memory().clone();
-        let region = hello.digest_region;
+        let hash_mem = mem.clone();
         let hasher = std::thread::spawn(move || {
             let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            digest::memory_digest(&mem, region, threads)
+            digest::memory_digest(&hash_mem, region, threads)
         });
         let next = self.next(reader);
         let mut ours = hasher.join().expect("digest thread");
@@ -294,6 +665,7 @@ impl Receiver<'_> {
         // Verify; on a mismatch ask for those regions again (the repair
         // pass), then compare anew.
         let mut rounds = 0;
+        let mut repair_iteration = final_iteration;
         loop {
             let mismatched = digest::compare(&self.frame, region, &ours)?;
             let Some(&first) = mismatched.first() else { break };
@@ -309,25 +681,81 @@ impl Receiver<'_> {
             wire::write_frame(writer, FrameKind::Mismatch, &digest::encode_mismatch(&mismatched))?;
             writer.flush()?;
             loop {
-                match self.next(reader)? {
-                    FrameKind::Pages => apply_pages(&self.frame, &vm, granularity, &mut touched, &mut decoder)?,
+                match self.next(reader).map_err(with_failure)? {
+                    kind @ FrameKind::Pages => main.pages(kind, &mut self.frame).map_err(with_failure)?,
+                    FrameKind::IterationEnd => repair_iteration = main.end(&self.frame).map_err(with_failure)?,
                     FrameKind::Digest => break,
                     other => return Err(WireError::Unexpected { got: other, expected: "PAGES or DIGEST" }.into()),
                 }
             }
+            shared.wait_applied(repair_iteration)?;
             let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            ours = digest::memory_digest(vm.memory(), region, threads);
+            ours = digest::memory_digest(mem, region, threads);
         }
-        vm.restore_state(&state)?;
-        wire::write_frame(writer, FrameKind::Ready, &[])?;
-        writer.flush()?;
-        (self.log)("memory verified; ready, waiting for commit");
-        match self.next(reader)? {
-            FrameKind::Commit => {}
-            other => return Err(WireError::Unexpected { got: other, expected: "COMMIT" }.into()),
+        Ok(state)
+    }
+}
+
+/// An extra channel: reads frames and hands them to its shards' decoders.
+fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<AtomicU64>, shared: Arc<Shared>) {
+    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes };
+    let mut frame = Vec::new();
+    loop {
+        let result = match wire::read_frame(&mut reader, &mut frame) {
+            Ok(kind @ (FrameKind::Pages | FrameKind::PagesCompressed)) => dispatch.pages(kind, &mut frame),
+            Ok(FrameKind::IterationEnd) => dispatch.end(&frame).map(|_| ()),
+            Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),
+            Err(_) if shared.done.load(Ordering::Acquire) => return,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = result {
+            if !shared.done.load(Ordering::Acquire) {
+                shared.fail(ReceiveError::Channel { channel: dispatch.channel, source: Box::new(e) });
+            }
+            return;
         }
-        vm.start(false)?;
-        (self.log)("committed; the VM runs here now");
-        Ok((vm, self.iterations))
+    }
+}
+
+/// One shard's decoder: decodes and applies its frames in order.
+struct ShardWorker {
+    shard: u16,
+    mem: Arc<GuestMemory>,
+    granularity: usize,
+    touched: Arc<Vec<AtomicU64>>,
+    decoder: PageDecoder,
+    shared: Arc<Shared>,
+}
+
+impl ShardWorker {
+    fn run(mut self, input: Receiver<ShardWork>) {
+        let mut decompressor = BatchDecompressor::default();
+        let mut unpacked = Vec::new();
+        while let Ok(work) = input.recv() {
+            let result = match work {
+                ShardWork::Frame { kind, payload, pool } => {
+                    let r = if kind == FrameKind::PagesCompressed {
+                        unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| {
+                            apply_pages(&unpacked, &self.mem, self.granularity, &self.touched, &mut self.decoder)
+                        })
+                    } else {
+                        apply_pages(&payload, &self.mem, self.granularity, &self.touched, &mut self.decoder)
+                    };
+                    let _ = pool.send(payload);
+                    r
+                }
+                ShardWork::End(iteration) => {
+                    let mut applied = self.shared.applied.lock().unwrap();
+                    let slot = &mut applied[self.shard as usize];
+                    *slot = (*slot).max(iteration + 1);
+                    self.shared.changed.notify_all();
+                    Ok(())
+                }
+            };
+            if let Err(e) = result {
+                self.shared.fail(e);
+                return;
+            }
+        }
     }
 }

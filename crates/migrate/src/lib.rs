@@ -5,6 +5,7 @@ pub mod destination;
 pub mod digest;
 pub mod options;
 pub mod pages;
+pub mod pipeline;
 pub mod recorder;
 pub mod source;
 pub mod stats;

@@ -36,6 +36,22 @@ pub struct MigrateOptions {
     pub subpage_hash_mask: u64,
     /// Page codecs (zero detection by default).
     pub codecs: CodecList,
+    /// Run fetch, encode and send in their own threads (false: in turn).
+    pub pipeline: bool,
+    /// Pages per batch handed from fetch to encode.
+    pub batch_pages: u64,
+    /// Encode threads (= codec shards) when pipelined.
+    pub encode_threads: u16,
+    /// Buffers per stage (the depth of each queue).
+    pub buffers: usize,
+    /// Parallel connections.
+    pub channels: u16,
+}
+
+/// Default encode threads: every core but one (which fetches and sends).
+pub fn default_encode_threads() -> u16 {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    (cores.saturating_sub(1)).clamp(1, crate::wire::MAX_SHARDS as usize) as u16
 }
 
 impl MigrateOptions {
@@ -45,7 +61,33 @@ impl MigrateOptions {
         if self.granularity < 4096 && self.codecs.xbzrle.is_some() {
             return Err("xbzrle and sub-page granularity do not mix: sub-pages already send only what changed".into());
         }
+        if !(64..=4096).contains(&self.batch_pages) || !self.batch_pages.is_multiple_of(64) {
+            return Err(format!("--batch-pages must be a multiple of 64 from 64 to 4096, not {}", self.batch_pages));
+        }
+        if !(1..=crate::wire::MAX_CHANNELS).contains(&self.channels) {
+            return Err(format!("--channels must be 1 to {}, not {}", crate::wire::MAX_CHANNELS, self.channels));
+        }
+        if !(1..=crate::wire::MAX_SHARDS).contains(&self.encode_threads) {
+            return Err(format!(
+                "--encode-threads must be 1 to {}, not {}",
+                crate::wire::MAX_SHARDS,
+                self.encode_threads
+            ));
+        }
+        if !(1..=64).contains(&self.buffers) {
+            return Err(format!("--buffers must be 1 to 64, not {}", self.buffers));
+        }
         Ok(())
+    }
+
+    /// Codec shards: one per encode thread (sequential: one per channel),
+    /// never fewer than channels.
+    pub fn shards(&self) -> u16 {
+        if self.pipeline {
+            self.encode_threads.max(self.channels)
+        } else {
+            self.channels
+        }
     }
 }
 
@@ -63,6 +105,11 @@ impl Default for MigrateOptions {
             subpage_detector: Detector::Hash,
             subpage_hash_mask: u64::MAX,
             codecs: CodecList { zero: true, ..CodecList::default() },
+            pipeline: true,
+            batch_pages: 1024,
+            encode_threads: default_encode_threads(),
+            buffers: 3,
+            channels: 1,
         }
     }
 }
@@ -84,6 +131,8 @@ pub struct Progress {
     pub bandwidth: f64,
     /// Guest memory size.
     pub memory_bytes: u64,
+    /// Each pipeline stage's busy share, e.g. "fetch 20% encode 85% send 60%".
+    pub pipeline: String,
 }
 
 /// A progress value shared between the engine and its observers.

@@ -1,10 +1,12 @@
 //! Page records inside PAGES frames.
 //!
-//! Payload: `iteration u32, count u32`, then `count` records of
-//! `page_index u64, encoding u8, length u32, data[length]`.
+//! Payload: `iteration u32, shard u16, reserved u16, count u32`, then
+//! `count` records of `page_index u64, encoding u8, length u32, data[length]`.
 
 use crate::wire::{Fields, FrameKind, WireError};
 
+/// Bytes of a PAGES payload's header.
+pub const PAGES_HEADER: usize = 12;
 /// Bytes of a record's header.
 pub const RECORD_HEADER: usize = 13;
 /// Page size of records.
@@ -72,13 +74,15 @@ pub struct PagesBuilder {
 impl PagesBuilder {
     /// An empty batch with room for `capacity_pages` raw pages.
     pub fn new(capacity_pages: usize) -> Self {
-        PagesBuilder { buf: Vec::with_capacity(8 + capacity_pages * (RECORD_HEADER + PAGE)), count: 0 }
+        PagesBuilder { buf: Vec::with_capacity(PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE)), count: 0 }
     }
 
-    /// Starts a new batch of `iteration`, keeping the allocation.
-    pub fn reset(&mut self, iteration: u32) {
+    /// Starts a new batch of `iteration` for codec `shard`, keeping the allocation.
+    pub fn reset(&mut self, iteration: u32, shard: u16) {
         self.buf.clear();
         self.buf.extend_from_slice(&iteration.to_le_bytes());
+        self.buf.extend_from_slice(&shard.to_le_bytes());
+        self.buf.extend_from_slice(&0u16.to_le_bytes());
         self.buf.extend_from_slice(&0u32.to_le_bytes());
         self.count = 0;
     }
@@ -90,7 +94,7 @@ impl PagesBuilder {
         self.buf.extend_from_slice(&(data.len() as u32).to_le_bytes());
         self.buf.extend_from_slice(data);
         self.count += 1;
-        self.buf[4..8].copy_from_slice(&self.count.to_le_bytes());
+        self.buf[8..12].copy_from_slice(&self.count.to_le_bytes());
     }
 
     /// Records so far.
@@ -120,6 +124,14 @@ pub struct Record<'a> {
     pub data: &'a [u8],
 }
 
+/// The codec shard a PAGES or PAGES_COMPRESSED payload belongs to, read
+/// without decompressing (a PAGES_COMPRESSED payload starts with it).
+pub fn shard_of(kind: FrameKind, payload: &[u8]) -> Result<u16, WireError> {
+    let at = if kind == FrameKind::Pages { 4 } else { 0 };
+    let bytes = payload.get(at..at + 2).ok_or(WireError::Truncated(kind))?;
+    Ok(u16::from_le_bytes(bytes.try_into().unwrap()))
+}
+
 /// Parses a PAGES payload, checking every record against `page_count`
 /// and the sub-page `granularity` agreed in HELLO; calls `apply` for each.
 /// Returns the iteration number.
@@ -131,6 +143,11 @@ pub fn for_each_record<'a>(
 ) -> Result<u32, WireError> {
     let mut f = Fields::new(FrameKind::Pages, payload);
     let iteration = f.u32()?;
+    let _shard = f.u16()?;
+    let reserved = f.u16()?;
+    if reserved != 0 {
+        return Err(WireError::BadField { field: "pages.reserved", detail: format!("{reserved} (must be 0)") });
+    }
     let count = f.u32()?;
     if count > MAX_RECORDS {
         return Err(WireError::BadField { field: "pages.count", detail: format!("{count} (at most {MAX_RECORDS})") });
@@ -209,7 +226,7 @@ mod tests {
     #[test]
     fn records_round_trip() {
         let mut b = PagesBuilder::new(2);
-        b.reset(3);
+        b.reset(3, 0);
         let page = [7u8; PAGE];
         b.push(5, Encoding::Raw, &page);
         b.push(9, Encoding::Zero, &[]);
@@ -226,21 +243,21 @@ mod tests {
     #[test]
     fn hostile_records_are_rejected() {
         let mut b = PagesBuilder::new(1);
-        b.reset(0);
+        b.reset(0, 0);
         b.push(10, Encoding::Zero, &[]);
         let err = for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err();
         assert!(err.to_string().contains("pages.page_index"), "{err}");
 
-        b.reset(0);
+        b.reset(0, 0);
         b.push(1, Encoding::Raw, &[1, 2, 3]);
         assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.length"));
 
-        b.reset(0);
+        b.reset(0, 0);
         b.push(1, Encoding::Zero, &[]);
         let mut bytes = b.payload().to_vec();
-        bytes[16] = 77; // encoding byte
+        bytes[20] = 77; // encoding byte
         assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
-        bytes[4..8].copy_from_slice(&5u32.to_le_bytes()); // claims 5 records
+        bytes[8..12].copy_from_slice(&5u32.to_le_bytes()); // claims 5 records
         assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).is_err());
     }
 
@@ -249,7 +266,7 @@ mod tests {
         let mut b = PagesBuilder::new(1);
         let mut data = 0b11u64.to_le_bytes().to_vec();
         data.extend_from_slice(&[1u8; 256]);
-        b.reset(0);
+        b.reset(0, 0);
         b.push(2, Encoding::Subpage, &data);
         let mut writes = Vec::new();
         for_each_record(b.payload(), 10, 128, |r| {
@@ -259,15 +276,15 @@ mod tests {
         .unwrap();
         assert_eq!(writes, vec![(0, 128), (128, 128)]);
         // Wrong length for the mask, a mask bit past the page, granularity 4096.
-        b.reset(0);
+        b.reset(0, 0);
         b.push(2, Encoding::Subpage, &data[..200]);
         assert!(for_each_record(b.payload(), 10, 128, |_| Ok(())).is_err());
         let mut high = (1u64 << 40).to_le_bytes().to_vec();
         high.extend_from_slice(&[0u8; 128]);
-        b.reset(0);
+        b.reset(0, 0);
         b.push(2, Encoding::Subpage, &high);
         assert!(for_each_record(b.payload(), 10, 128, |_| Ok(())).unwrap_err().to_string().contains("subpage_mask"));
-        b.reset(0);
+        b.reset(0, 0);
         b.push(2, Encoding::Subpage, &data);
         assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).is_err());
     }

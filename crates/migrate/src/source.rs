@@ -1,30 +1,26 @@
 //! The sending side of pre-copy: iterate over dirty pages until the rest
 //! fits the downtime limit, then stop-and-copy, verify, commit.
 //!
+//! The migration thread fetches dirty pages into batches; the pipeline
+//! (pipeline.rs) encodes and sends them over one or more channels.
+//!
 //! The VM is never lost: any failure before COMMIT is written resumes the
 //! source VM; once COMMIT is written the source never resumes on its own.
 
 use std::io::{BufWriter, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tsubame_vmm::{memory, Vm, PAGE_SIZE};
 
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
-use crate::pages::{Encoding, PagesBuilder};
-use crate::stats::CodecStats;
+use crate::pipeline::{Batch, EncoderSetup, Engine, EngineSetup, PipelineError, ShardLayout, Writer};
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
-use crate::subpage::{encode_partial, Change, SubpageTracker};
-use crate::transport::{Address, Metered, Stream, TransportError};
+use crate::transport::{Address, Metered, Pacer, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
-use tsubame_codec::batch::BatchCompressor;
-use tsubame_codec::chooser::Payoff;
-use tsubame_codec::{Encoded, PageEncoder};
 
-/// Page records per PAGES frame.
-const RECORDS_PER_FRAME: usize = 256;
-/// Dirty-bitmap words handled per clear + send step (1024 pages).
-const WORDS_PER_CHUNK: usize = 16;
 /// Times the verification pass may re-send regions before giving up.
 const MAX_REPAIR_ROUNDS: u32 = 2;
 
@@ -37,6 +33,9 @@ pub enum SourceError {
     /// The stream.
     #[error("migration stream: {0}")]
     Wire(#[from] WireError),
+    /// Encoding or sending.
+    #[error("migration stream: {0}")]
+    Pipeline(#[from] PipelineError),
     /// The destination said no.
     #[error("destination refused: {0}")]
     Refused(String),
@@ -84,21 +83,8 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
         pending: None,
         pagemap: memory::Pagemap::open().ok(),
         reader: None,
-        subpage: (options.granularity < PAGE_SIZE as u32).then(|| {
-            SubpageTracker::new(
-                options.subpage_detector,
-                options.granularity,
-                memory::page_count(vm.memory()),
-                options.subpage_hash_mask,
-            )
-        }),
-        subpage_buf: Vec::with_capacity(8 + PAGE_SIZE),
-        encoder: PageEncoder::new(&options.codecs),
-        codec_buf: Vec::with_capacity(2 * PAGE_SIZE),
-        batch_buf: Vec::new(),
-        batch_payoff: Payoff::default(),
-        compressor: options.codecs.batch.map(BatchCompressor::new),
-        bandwidth: f64::INFINITY,
+        engine: None,
+        bandwidth: Arc::new(AtomicU64::new(0)),
     };
     progress.update(|p| {
         p.phase = "setup".into();
@@ -106,16 +92,8 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
     });
     let result = run.run(to);
     let committed = run.committed;
+    run.finish_engine();
     let mut stats = std::mem::take(&mut run.stats);
-    stats.subpage = run.subpage.as_ref().map(|t| t.stats.clone());
-    stats.codec = run
-        .encoder
-        .stats
-        .iter()
-        .map(|(name, s)| {
-            (name.to_string(), CodecStats { pages: s.pages, bytes_in: s.bytes_in, bytes_out: s.bytes_out })
-        })
-        .collect();
     stats.total_time_ms = ms(start.elapsed());
     stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
     stats.cpu_seconds.source_migration_thread = thread_cpu_seconds() - cpu_thread;
@@ -129,7 +107,7 @@ pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &Progr
             // A broken connection often means the destination refused
             // something and hung up: its ERROR frame says what.
             let peer_said = match &e {
-                SourceError::Wire(WireError::Io(_)) => run.peer_error(),
+                SourceError::Wire(WireError::Io(_)) | SourceError::Pipeline(_) => run.peer_error(),
                 _ => None,
             };
             let mut message = match peer_said {
@@ -178,32 +156,19 @@ struct SourceRun<'a> {
     pending: Option<Vec<u64>>,
     /// Tells never-populated (zero) pages apart without reading them.
     pagemap: Option<memory::Pagemap>,
-    /// The connection's reading half, kept to hear a last ERROR frame.
+    /// Channel 0's reading half: replies, and a last ERROR frame.
     reader: Option<std::io::BufReader<Stream>>,
-    /// What the destination holds, per sub-page (granularity < 4096).
-    subpage: Option<SubpageTracker>,
-    /// Scratch for SUBPAGE record data.
-    subpage_buf: Vec<u8>,
-    /// The page codecs and their caches.
-    encoder: PageEncoder,
-    /// Scratch for codec records.
-    codec_buf: Vec<u8>,
-    /// Scratch for compressed batches.
-    batch_buf: Vec<u8>,
-    /// Whether batch compression pays at the current bandwidth.
-    batch_payoff: Payoff,
-    /// lz4/zstd with its context kept between batches.
-    compressor: Option<BatchCompressor>,
-    /// Current measured bandwidth, bytes per second.
-    bandwidth: f64,
+    /// The encode and send stages.
+    engine: Option<Engine>,
+    /// Measured link bandwidth for the codecs' payoff checks (f64 bits).
+    bandwidth: Arc<AtomicU64>,
 }
-
-type Writer = BufWriter<Metered<Stream>>;
 
 impl SourceRun<'_> {
     fn run(&mut self, to: &Address) -> Result<(), SourceError> {
         let vm = self.vm;
-        self.options.check().map_err(SourceError::BadOptions)?;
+        let options = self.options;
+        options.check().map_err(SourceError::BadOptions)?;
         match vm.status() {
             tsubame_vmm::VcpuStatus::Running => {}
             other => {
@@ -214,21 +179,28 @@ impl SourceRun<'_> {
                 }))
             }
         }
-        let stream = Stream::connect(to, self.options.connect_timeout)?;
-        stream.set_read_timeout(Some(self.options.io_timeout))?;
+        let layout =
+            ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
+        let pacer = Pacer::new(options.max_bandwidth);
+        let stream = Stream::connect(to, options.connect_timeout)?;
+        stream.set_read_timeout(Some(options.io_timeout))?;
         let reader = self.reader.insert(std::io::BufReader::new(stream.try_clone()?));
-        let mut writer: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream, self.options.max_bandwidth));
+        let mut writer: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer.clone()));
         let mut frame = Vec::new();
 
         wire::write_preamble(&mut writer, wire::VERSION)?;
         wire::read_preamble(reader)?;
+        let session = session_id();
         let hello = Hello {
             memory_bytes: vm.memory_bytes(),
             page_size: PAGE_SIZE as u32,
             vcpus: 1,
-            digest_region: self.options.digest_region,
-            granularity: self.options.granularity,
-            codecs: self.options.codecs.to_string(),
+            digest_region: options.digest_region,
+            granularity: options.granularity,
+            codecs: options.codecs.to_string(),
+            session,
+            channels: layout.channels,
+            shards: layout.shards,
         };
         wire::write_frame(&mut writer, FrameKind::Hello, &hello.encode())?;
         writer.flush()?;
@@ -237,13 +209,68 @@ impl SourceRun<'_> {
             FrameKind::Error => return Err(SourceError::Refused(String::from_utf8_lossy(&frame).into_owned())),
             other => return Err(WireError::Unexpected { got: other, expected: "ACCEPT" }.into()),
         }
+        // The other channels name the session; the destination accepts
+        // them only after its ACCEPT.
+        let mut writers = vec![writer];
+        for channel in 1..layout.channels {
+            let stream = Stream::connect(to, options.connect_timeout)?;
+            stream.set_read_timeout(Some(options.io_timeout))?;
+            let mut w: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream.try_clone()?, pacer.clone()));
+            wire::write_preamble(&mut w, wire::VERSION)?;
+            wire::write_frame(&mut w, FrameKind::Channel, &wire::encode_channel(session, channel))?;
+            w.flush()?;
+            wire::read_preamble(&mut std::io::BufReader::new(stream))?;
+            writers.push(w);
+        }
         self.stats.setup_time_ms = ms(self.start.elapsed());
 
-        self.precopy(&mut writer)?;
+        let encoder_setup = EncoderSetup {
+            codecs: &options.codecs,
+            granularity: options.granularity,
+            detector: options.subpage_detector,
+            hash_mask: options.subpage_hash_mask,
+            pages_total: self.stats.pages_total,
+            layout,
+            bandwidth: self.bandwidth.clone(),
+        };
+        self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer));
+
+        self.precopy()?;
         let mut reader = self.reader.take().expect("set above");
-        let result = self.stop_and_copy(&mut writer, &mut reader, &mut frame);
+        let result = self.stop_and_copy(&mut reader, &mut frame);
         self.reader = Some(reader);
         result
+    }
+
+    fn engine_setup(&self) -> EngineSetup {
+        EngineSetup { pipelined: self.options.pipeline, buffers: self.options.buffers }
+    }
+
+    fn engine(&mut self) -> &mut Engine {
+        self.engine.as_mut().expect("engine runs while migrating")
+    }
+
+    /// Stops the pipeline's threads and takes their counters.
+    fn finish_engine(&mut self) {
+        let Some(engine) = self.engine.take() else { return };
+        self.stats.bytes_on_wire = engine.bytes();
+        let (encoders, pipeline) = engine.finish(&self.engine_setup());
+        for encoder in &encoders {
+            self.stats.pages_zero += encoder.zero_pages;
+            for (name, s) in encoder.codec_stats().iter() {
+                let total = self.stats.codec.entry(name.to_string()).or_default();
+                total.pages += s.pages;
+                total.bytes_in += s.bytes_in;
+                total.bytes_out += s.bytes_out;
+            }
+            if let Some(sub) = encoder.subpage_stats() {
+                self.stats.subpage.get_or_insert_with(|| sub.clone().emptied()).add(sub);
+            }
+        }
+        if let Some(sub) = &mut self.stats.subpage {
+            sub.regions_repaired = self.stats.regions_repaired;
+        }
+        self.stats.pipeline = Some(pipeline);
     }
 
     /// After a broken connection: the destination's ERROR frame, if it
@@ -263,7 +290,7 @@ impl SourceRun<'_> {
     }
 
     /// Iterations while the guest runs; returns with the VM still running.
-    fn precopy(&mut self, writer: &mut Writer) -> Result<(), SourceError> {
+    fn precopy(&mut self) -> Result<(), SourceError> {
         let vm = self.vm;
         let pages_total = self.stats.pages_total;
         let mut bitmap = vec![0u64; vm.dirty_bitmap_words()];
@@ -273,7 +300,6 @@ impl SourceRun<'_> {
         } else {
             set_all(&mut bitmap, pages_total);
         }
-        let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
         let mut bandwidth = 0.0f64;
         let mut bytes_per_page = (PAGE_SIZE + crate::pages::RECORD_HEADER) as f64;
         let mut iteration = 0u32;
@@ -282,7 +308,7 @@ impl SourceRun<'_> {
                 p.phase = "iterating".into();
                 p.iteration = iteration;
             });
-            let it = self.send_dirty(writer, &bitmap, iteration, &mut builder)?;
+            let it = self.send_dirty(&bitmap, iteration)?;
             // Iteration 0 also carries never-touched memory (cheap zero
             // records), which says nothing about what the guest dirties:
             // estimate later rounds from later rounds only.
@@ -293,9 +319,12 @@ impl SourceRun<'_> {
                 bandwidth = it.bytes_on_wire as f64 / (it.duration_ms / 1e3);
             }
             let bw = self.options.max_bandwidth.map_or(bandwidth, |cap| bandwidth.min(cap as f64)).max(1.0);
-            self.progress.update(|p| p.bandwidth = bw);
-            self.bandwidth = bw;
-            self.encoder.set_bandwidth(bw);
+            let summary = self.pipeline_summary();
+            self.progress.update(|p| {
+                p.bandwidth = bw;
+                p.pipeline = summary;
+            });
+            self.bandwidth.store(bw.to_bits(), Ordering::Relaxed);
             self.stats.per_iteration.push(it);
             iteration += 1;
 
@@ -328,31 +357,33 @@ impl SourceRun<'_> {
         }
     }
 
-    /// Sends every page whose bit is set, clearing each chunk's bits in KVM
+    /// Each stage's busy share so far, for the progress bar.
+    fn pipeline_summary(&self) -> String {
+        self.engine.as_ref().map_or_else(String::new, Engine::summary)
+    }
+
+    /// Sends every page whose bit is set, clearing each batch's bits in KVM
     /// right before reading it.
-    fn send_dirty(
-        &mut self,
-        writer: &mut Writer,
-        bitmap: &[u64],
-        iteration: u32,
-        builder: &mut PagesBuilder,
-    ) -> Result<IterationStats, SourceError> {
+    fn send_dirty(&mut self, bitmap: &[u64], iteration: u32) -> Result<IterationStats, SourceError> {
         let vm = self.vm;
         let started = Instant::now();
-        let bytes_before = writer.get_ref().bytes + writer.buffer().len() as u64;
+        let bytes_before = self.engine().bytes();
         let dirty_pages = count(bitmap);
         let mut it = IterationStats { index: iteration, dirty_pages, ..Default::default() };
-        let mut page = [0u8; PAGE_SIZE];
-        let mut populated = [true; WORDS_PER_CHUNK * 64];
+        let layout = self.engine().layout();
+        let words_per_batch = (layout.batch_pages / 64) as usize;
+        let mut populated = vec![true; layout.batch_pages as usize];
         let mut remaining = dirty_pages;
         // With `--codec none` even untouched pages go raw: a true baseline.
         let zero_records = self.options.codecs.zero;
-        builder.reset(iteration);
-        for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
+        for (batch_index, chunk) in bitmap.chunks(words_per_batch).enumerate() {
             if chunk.iter().all(|&w| w == 0) {
                 continue;
             }
-            let first_page = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
+            let first_page = (batch_index * words_per_batch * 64) as u64;
+            let mut batch = self.engine().take_batch()?;
+            let fetch_start = Instant::now();
+            batch.clear(iteration, layout.shard(first_page), false);
             vm.clear_dirty_log(first_page, chunk)?;
             // Pages the kernel never populated are zeros: don't read them
             // (reading would populate them, and cost a fault each).
@@ -364,69 +395,32 @@ impl SourceRun<'_> {
                 let mut bits = word;
                 while bits != 0 {
                     let offset = w * 64 + bits.trailing_zeros() as usize;
-                    let index = first_page + offset as u64;
                     bits &= bits - 1;
-                    let change = if !populated[offset] && zero_records {
-                        match &mut self.subpage {
-                            Some(tracker) => tracker.diff_zero(index),
-                            None => Change::Zero,
-                        }
-                    } else {
-                        memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
-                        match &mut self.subpage {
-                            Some(tracker) => tracker.diff(index, &page),
-                            None => Change::Full,
-                        }
-                    };
-                    match change {
-                        Change::Unchanged => continue,
-                        Change::Zero => {
-                            builder.push(index, Encoding::Zero, &[]);
-                            self.encoder.observe_zero(index);
-                            self.stats.pages_zero += 1;
-                        }
-                        Change::Full => match self.encoder.encode(index, &page, &mut self.codec_buf) {
-                            Encoded::Zero => {
-                                builder.push(index, Encoding::Zero, &[]);
-                                self.stats.pages_zero += 1;
-                            }
-                            Encoded::Raw => builder.push(index, Encoding::Raw, &page),
-                            Encoded::Record(tag) => builder.push(index, Encoding::from_codec_tag(tag), &self.codec_buf),
-                        },
-                        Change::Partial(mask) => {
-                            let g = self.options.granularity as usize;
-                            encode_partial(&page, g, mask, &mut self.subpage_buf);
-                            builder.push(index, Encoding::Subpage, &self.subpage_buf);
-                        }
+                    let index = first_page + offset as u64;
+                    let backed = populated[offset] || !zero_records;
+                    if backed {
+                        memory::read_page(vm.memory(), index, batch.next_slot()).map_err(tsubame_vmm::VmError::from)?;
                     }
-                    it.pages_sent += 1;
-                    if builder.len() as usize == RECORDS_PER_FRAME {
-                        self.write_pages(writer, builder.payload())?;
-                        builder.reset(iteration);
-                    }
+                    batch.push(index, backed);
                 }
             }
-            remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum());
-            let wire_bytes = writer.get_ref().bytes;
+            let pages = batch.len() as u64;
+            let engine = self.engine();
+            engine.fetched(fetch_start.elapsed());
+            engine.submit(batch)?;
+            remaining = remaining.saturating_sub(pages);
+            let wire_bytes = engine.bytes();
             self.progress.update(|p| {
                 p.remaining_pages = remaining;
                 p.dirty_pages = dirty_pages;
                 p.bytes_on_wire = wire_bytes;
             });
         }
-        if !builder.is_empty() {
-            self.write_pages(writer, builder.payload())?;
-            builder.reset(iteration);
-        }
-        let mut end = Vec::with_capacity(20);
-        end.extend_from_slice(&iteration.to_le_bytes());
-        end.extend_from_slice(&it.pages_sent.to_le_bytes());
-        wire::write_frame(writer, FrameKind::IterationEnd, &end)?;
-        writer.flush()?;
-        it.bytes_on_wire = writer.get_ref().bytes - bytes_before;
+        it.pages_sent = self.engine().end_iteration(iteration)?;
+        it.bytes_on_wire = self.engine().bytes() - bytes_before;
         it.duration_ms = ms(started.elapsed());
         self.stats.pages_sent += it.pages_sent;
-        self.stats.bytes_on_wire = writer.get_ref().bytes;
+        self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
         Ok(it)
     }
@@ -435,12 +429,7 @@ impl SourceRun<'_> {
 impl SourceRun<'_> {
     /// Pauses the guest, sends the last dirty pages, state and digest, and
     /// commits once the destination is ready.
-    fn stop_and_copy(
-        &mut self,
-        writer: &mut Writer,
-        reader: &mut impl std::io::Read,
-        frame: &mut Vec<u8>,
-    ) -> Result<(), SourceError> {
+    fn stop_and_copy(&mut self, reader: &mut impl std::io::Read, frame: &mut Vec<u8>) -> Result<(), SourceError> {
         let vm = self.vm;
         let mut pending = self.pending.take().expect("precopy leaves the pending dirty set");
         self.progress.update(|p| p.phase = "stop-and-copy".into());
@@ -462,24 +451,22 @@ impl SourceRun<'_> {
             pending.iter_mut().zip(&fresh).for_each(|(p, f)| *p |= f);
         }
         let iteration = self.stats.iterations;
-        let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
-        let it = self.send_dirty(writer, &pending, iteration, &mut builder)?;
+        let it = self.send_dirty(&pending, iteration)?;
         self.stats.per_iteration.push(it);
         laps(&mut breakdown.final_pages_ms);
 
+        // Every channel ended the iteration: channel 0 carries the rest.
         let state = vm.save_state()?;
         let blob = postcard::to_stdvec(&state).expect("VM state serializes");
-        wire::write_frame(writer, FrameKind::State, &blob)?;
-        writer.flush()?;
+        self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         let hashes = digest::memory_digest(vm.memory(), self.options.digest_region, threads);
-        wire::write_frame(writer, FrameKind::Digest, &digest::encode(self.options.digest_region, &hashes))?;
-        writer.flush()?;
-        self.stats.bytes_on_wire = writer.get_ref().bytes;
+        let digest_payload = digest::encode(self.options.digest_region, &hashes);
+        self.write_control(FrameKind::Digest, &digest_payload)?;
+        self.stats.bytes_on_wire = self.engine().bytes();
         laps(&mut breakdown.source_digest_ms);
 
-        let digest_payload = digest::encode(self.options.digest_region, &hashes);
         let mut rounds = 0;
         loop {
             match wire::read_frame(reader, frame)? {
@@ -488,9 +475,8 @@ impl SourceRun<'_> {
                 FrameKind::Mismatch if rounds < MAX_REPAIR_ROUNDS => {
                     rounds += 1;
                     let regions = digest::decode_mismatch(frame, hashes.len())?;
-                    self.resend_regions(writer, &regions, iteration + rounds)?;
-                    wire::write_frame(writer, FrameKind::Digest, &digest_payload)?;
-                    writer.flush()?;
+                    self.resend_regions(&regions, iteration + rounds)?;
+                    self.write_control(FrameKind::Digest, &digest_payload)?;
                 }
                 other => return Err(WireError::Unexpected { got: other, expected: "READY" }.into()),
             }
@@ -501,8 +487,7 @@ impl SourceRun<'_> {
         // The point of no return: once COMMIT is out, only the destination
         // may run the VM. A failed write means it cannot have arrived whole.
         self.progress.update(|p| p.phase = "committing".into());
-        wire::write_frame(writer, FrameKind::Commit, &[])?;
-        writer.flush()?;
+        self.write_control(FrameKind::Commit, &[])?;
         self.committed = true;
         let confirmed = wire::read_frame(reader, frame).map_err(|e| SourceError::CommitUnconfirmed(e.to_string()))?;
         if confirmed != FrameKind::Resumed {
@@ -514,78 +499,62 @@ impl SourceRun<'_> {
         if let Some(micros) = frame.get(..8) {
             self.stats.cpu_seconds.destination = u64::from_le_bytes(micros.try_into().unwrap()) as f64 / 1e6;
         }
-        self.stats.bytes_on_wire = writer.get_ref().bytes;
+        self.stats.bytes_on_wire = self.engine().bytes();
         Ok(())
     }
-}
 
-impl SourceRun<'_> {
-    /// Sends every page of the given digest regions whole: the repair pass
-    /// after the destination reported a mismatch.
-    fn resend_regions(&mut self, writer: &mut Writer, regions: &[u32], iteration: u32) -> Result<(), SourceError> {
+    /// Writes a control frame on channel 0 and flushes it.
+    fn write_control(&mut self, kind: FrameKind, payload: &[u8]) -> Result<(), SourceError> {
+        let mut writer = self.engine().writer(0);
+        wire::write_frame(&mut *writer, kind, payload)?;
+        writer.flush()?;
+        Ok(())
+    }
+
+    /// Sends every page of the given digest regions whole, through the
+    /// pages' own shards so the codec caches see them in order: the repair
+    /// pass after the destination reported a mismatch.
+    fn resend_regions(&mut self, regions: &[u32], iteration: u32) -> Result<(), SourceError> {
         let vm = self.vm;
         let pages_per_region = (self.options.digest_region as usize / PAGE_SIZE) as u64;
-        let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
-        builder.reset(iteration);
-        let mut page = [0u8; PAGE_SIZE];
+        let layout = self.engine().layout();
+        let mut batch: Option<Batch> = None;
+        let mut batch_first = u64::MAX;
         for &region in regions {
             let first = region as u64 * pages_per_region;
             for index in first..(first + pages_per_region).min(self.stats.pages_total) {
-                memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
-                if let Some(tracker) = &mut self.subpage {
-                    tracker.set(index, &page);
+                let chunk_first = index - index % layout.batch_pages;
+                if batch.is_some() && chunk_first != batch_first {
+                    self.engine().submit(batch.take().unwrap())?;
                 }
-                self.encoder.observe_raw(index, &page);
-                builder.push(index, Encoding::Raw, &page);
-                self.stats.pages_sent += 1;
-                if builder.len() as usize == RECORDS_PER_FRAME {
-                    wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
-                    builder.reset(iteration);
+                if batch.is_none() {
+                    let mut fresh = self.engine().take_batch()?;
+                    fresh.clear(iteration, layout.shard(chunk_first), true);
+                    batch = Some(fresh);
+                    batch_first = chunk_first;
                 }
+                let b = batch.as_mut().unwrap();
+                memory::read_page(vm.memory(), index, b.next_slot()).map_err(tsubame_vmm::VmError::from)?;
+                b.push(index, true);
             }
         }
-        if !builder.is_empty() {
-            wire::write_frame(writer, FrameKind::Pages, builder.payload())?;
+        if let Some(b) = batch {
+            self.engine().submit(b)?;
         }
+        self.stats.pages_sent += self.engine().end_iteration(iteration)?;
         self.stats.regions_repaired += regions.len() as u64;
-        if let Some(tracker) = &mut self.subpage {
-            tracker.stats.regions_repaired += regions.len() as u64;
-        }
         Ok(())
     }
 }
 
-impl SourceRun<'_> {
-    /// Writes a PAGES payload, compressed with lz4/zstd when the stream
-    /// uses one, it shrinks the batch, and it pays at this bandwidth.
-    fn write_pages(&mut self, writer: &mut Writer, payload: &[u8]) -> Result<(), SourceError> {
-        if let Some(compressor) = &mut self.compressor {
-            if self.batch_payoff.enabled() {
-                let start = Instant::now();
-                let codec = compressor.codec();
-                self.batch_buf.clear();
-                self.batch_buf.push(codec.id());
-                self.batch_buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-                let mut packed = std::mem::take(&mut self.codec_buf);
-                compressor.compress(payload, &mut packed);
-                self.batch_buf.extend_from_slice(&packed);
-                self.codec_buf = packed;
-                self.batch_payoff.record(
-                    start.elapsed().as_secs_f64(),
-                    payload.len(),
-                    self.batch_buf.len().min(payload.len()),
-                    self.bandwidth,
-                );
-                if self.batch_buf.len() < payload.len() {
-                    self.encoder.count_batch(codec.name(), payload.len(), self.batch_buf.len());
-                    wire::write_frame(writer, FrameKind::PagesCompressed, &self.batch_buf)?;
-                    return Ok(());
-                }
-            }
-        }
-        wire::write_frame(writer, FrameKind::Pages, payload)?;
-        Ok(())
-    }
+/// A migration's name on its extra channels: unguessable enough that a
+/// stray connection cannot join another migration by accident.
+fn session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 fn count(bitmap: &[u64]) -> u64 {

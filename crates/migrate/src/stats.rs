@@ -107,6 +107,9 @@ pub struct MigrationStats {
     pub subpage: Option<crate::subpage::SubpageStats>,
     /// Digest regions the verification pass found different and re-sent.
     pub regions_repaired: u64,
+    /// The source's stages: busy and waiting time, queues, CPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::PipelineStats>,
 }
 
 pub use tsubame_vmm::host::{process_cpu_seconds, thread_cpu_seconds};

@@ -84,6 +84,24 @@ pub struct SubpageStats {
     pub regions_repaired: u64,
 }
 
+impl SubpageStats {
+    /// The same setup with every counter at zero.
+    pub fn emptied(&self) -> SubpageStats {
+        SubpageStats { granularity: self.granularity, detector: self.detector.clone(), ..Default::default() }
+    }
+
+    /// Adds another tracker's counters (one per codec shard).
+    pub fn add(&mut self, other: &SubpageStats) {
+        self.memory_bytes += other.memory_bytes;
+        self.memory_resident_bytes += other.memory_resident_bytes;
+        self.subpages_sent += other.subpages_sent;
+        self.pages_full += other.pages_full;
+        self.pages_unchanged += other.pages_unchanged;
+        self.pages_zeroed += other.pages_zeroed;
+        self.regions_repaired += other.regions_repaired;
+    }
+}
+
 /// Tracks what the destination holds, page by page.
 pub struct SubpageTracker {
     granularity: usize,

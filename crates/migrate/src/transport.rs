@@ -5,6 +5,8 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Errors of addresses and connections.
@@ -237,12 +239,15 @@ impl Drop for Listener {
     }
 }
 
-/// A writer that counts bytes and holds them to a rate (token bucket).
-pub struct Metered<W> {
-    inner: W,
-    /// Bytes written so far.
-    pub bytes: u64,
+/// A token bucket shared by every channel of a migration: `--max-bandwidth`
+/// caps their sum. Also counts the bytes they wrote.
+pub struct Pacer {
     rate: Option<u64>,
+    bucket: Mutex<Bucket>,
+    bytes: AtomicU64,
+}
+
+struct Bucket {
     tokens: f64,
     last: Instant,
 }
@@ -250,24 +255,60 @@ pub struct Metered<W> {
 /// Bucket depth: how far ahead of the rate a burst may run.
 const BURST: Duration = Duration::from_millis(10);
 
-impl<W: Write> Metered<W> {
-    /// Wraps `inner`; `rate` in bytes per second, None = unlimited.
-    pub fn new(inner: W, rate: Option<u64>) -> Self {
-        Metered { inner, bytes: 0, rate, tokens: 0.0, last: Instant::now() }
+impl Pacer {
+    /// A pacer for `rate` bytes per second (None = unlimited).
+    pub fn new(rate: Option<u64>) -> Arc<Pacer> {
+        Arc::new(Pacer {
+            rate,
+            bucket: Mutex::new(Bucket { tokens: 0.0, last: Instant::now() }),
+            bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Bytes written through this pacer so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The largest write that may go in one step.
+    fn slice(&self, len: usize) -> usize {
+        match self.rate {
+            Some(rate) => len.min(((rate as f64 * BURST.as_secs_f64()) as usize).max(4096)),
+            None => len,
+        }
     }
 
     /// Sleeps until `n` bytes may go.
-    fn wait_for(&mut self, n: usize) {
+    fn wait_for(&self, n: usize) {
         let Some(rate) = self.rate else { return };
         let rate = rate as f64;
         let cap = (rate * BURST.as_secs_f64()).max(n as f64);
-        let now = Instant::now();
-        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * rate).min(cap);
-        self.last = now;
-        self.tokens -= n as f64;
-        if self.tokens < 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(-self.tokens / rate));
+        let debt = {
+            let mut b = self.bucket.lock().unwrap();
+            let now = Instant::now();
+            b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(cap);
+            b.last = now;
+            b.tokens -= n as f64;
+            -b.tokens
+        };
+        if debt > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(debt / rate));
         }
+    }
+}
+
+/// A writer that counts bytes and holds them to its pacer's rate.
+pub struct Metered<W> {
+    inner: W,
+    /// Bytes written through this writer.
+    pub bytes: u64,
+    pacer: Arc<Pacer>,
+}
+
+impl<W: Write> Metered<W> {
+    /// Wraps `inner`, paced by `pacer` (shared with the other channels).
+    pub fn new(inner: W, pacer: Arc<Pacer>) -> Self {
+        Metered { inner, bytes: 0, pacer }
     }
 
     /// The wrapped writer.
@@ -279,13 +320,11 @@ impl<W: Write> Metered<W> {
 impl<W: Write> Write for Metered<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         // Pace in slices so a big buffer does not burst past the rate.
-        let slice = match self.rate {
-            Some(rate) => buf.len().min(((rate as f64 * BURST.as_secs_f64()) as usize).max(4096)),
-            None => buf.len(),
-        };
-        self.wait_for(slice);
+        let slice = self.pacer.slice(buf.len());
+        self.pacer.wait_for(slice);
         let n = self.inner.write(&buf[..slice])?;
         self.bytes += n as u64;
+        self.pacer.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 
@@ -309,7 +348,7 @@ mod tests {
 
     #[test]
     fn metered_writer_holds_the_rate() {
-        let mut w = Metered::new(std::io::sink(), Some(10_000_000));
+        let mut w = Metered::new(std::io::sink(), Pacer::new(Some(10_000_000)));
         let start = Instant::now();
         let chunk = vec![0u8; 100_000];
         for _ in 0..20 {

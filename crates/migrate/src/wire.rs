@@ -21,7 +21,7 @@ use std::io::{Read, Write};
 /// First 8 bytes of every stream, in both directions.
 pub const MAGIC: [u8; 8] = *b"TSBMIGR\0";
 /// Version of this format; both ends must speak the same.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Bytes of the preamble: magic, version, reserved.
 pub const PREAMBLE_LEN: usize = 16;
 /// Bytes of a frame header: kind u16, reserved u16, length u32, crc u32.
@@ -61,6 +61,8 @@ pub enum FrameKind {
     Mismatch = 11,
     /// A PAGES payload compressed by lz4 or zstd.
     PagesCompressed = 12,
+    /// First frame of an extra channel: which migration and channel it is.
+    Channel = 13,
 }
 
 impl FrameKind {
@@ -79,6 +81,7 @@ impl FrameKind {
             10 => Error,
             11 => Mismatch,
             12 => PagesCompressed,
+            13 => Channel,
             _ => return None,
         })
     }
@@ -295,7 +298,19 @@ pub struct Hello {
     pub granularity: u32,
     /// Page encodings the source may use, comma-separated.
     pub codecs: String,
+    /// Names this migration on its extra channels' CHANNEL frames.
+    pub session: u64,
+    /// Connections carrying pages (this one included).
+    pub channels: u16,
+    /// Codec shards: pages are split by index into this many streams,
+    /// each with its own codec caches, each on one channel.
+    pub shards: u16,
 }
+
+/// Most channels of one migration.
+pub const MAX_CHANNELS: u16 = 16;
+/// Most codec shards of one migration.
+pub const MAX_SHARDS: u16 = 64;
 
 /// Longest codec list in a HELLO.
 pub const MAX_CODECS: usize = 256;
@@ -310,6 +325,9 @@ impl Hello {
         out.extend_from_slice(&self.digest_region.to_le_bytes());
         out.extend_from_slice(&self.granularity.to_le_bytes());
         put_string(&mut out, &self.codecs, MAX_CODECS);
+        out.extend_from_slice(&self.session.to_le_bytes());
+        out.extend_from_slice(&self.channels.to_le_bytes());
+        out.extend_from_slice(&self.shards.to_le_bytes());
         out
     }
 
@@ -323,6 +341,9 @@ impl Hello {
             digest_region: f.u32()?,
             granularity: f.u32()?,
             codecs: f.string("hello.codecs", MAX_CODECS)?,
+            session: f.u64()?,
+            channels: f.u16()?,
+            shards: f.u16()?,
         };
         f.finish()?;
         let bad = |field, detail: String| Err(WireError::BadField { field, detail });
@@ -343,8 +364,31 @@ impl Hello {
         if let Err(detail) = crate::subpage::check_granularity(hello.granularity) {
             return bad("hello.granularity", detail);
         }
+        if !(1..=MAX_CHANNELS).contains(&hello.channels) {
+            return bad("hello.channels", format!("{} (1 to {MAX_CHANNELS})", hello.channels));
+        }
+        if !(1..=MAX_SHARDS).contains(&hello.shards) || hello.shards < hello.channels {
+            return bad("hello.shards", format!("{} (channels to {MAX_SHARDS})", hello.shards));
+        }
         Ok(hello)
     }
+}
+
+/// The CHANNEL frame: `session u64, channel u16`.
+pub fn encode_channel(session: u64, channel: u16) -> [u8; 10] {
+    let mut out = [0u8; 10];
+    out[..8].copy_from_slice(&session.to_le_bytes());
+    out[8..].copy_from_slice(&channel.to_le_bytes());
+    out
+}
+
+/// Parses a CHANNEL frame into (session, channel).
+pub fn decode_channel(payload: &[u8]) -> Result<(u64, u16), WireError> {
+    let mut f = Fields::new(FrameKind::Channel, payload);
+    let session = f.u64()?;
+    let channel = f.u16()?;
+    f.finish()?;
+    Ok((session, channel))
 }
 
 #[cfg(test)]
@@ -384,7 +428,7 @@ mod tests {
         read_preamble(&mut ok.as_slice()).unwrap();
         let mut other = Vec::new();
         write_preamble(&mut other, VERSION + 1).unwrap();
-        assert!(matches!(read_preamble(&mut other.as_slice()), Err(WireError::VersionMismatch { peer: 2 })));
+        assert!(matches!(read_preamble(&mut other.as_slice()), Err(WireError::VersionMismatch { peer: 3 })));
         assert!(matches!(read_preamble(&mut &[0u8; 16][..]), Err(WireError::BadMagic)));
     }
 
@@ -397,8 +441,15 @@ mod tests {
             digest_region: 1 << 20,
             granularity: 128,
             codecs: "zero".into(),
+            session: 7,
+            channels: 2,
+            shards: 4,
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
+        let bad = Hello { shards: 1, ..hello.clone() };
+        assert!(Hello::decode(&bad.encode()).unwrap_err().to_string().contains("hello.shards"));
+        let bad = Hello { channels: 0, ..hello.clone() };
+        assert!(Hello::decode(&bad.encode()).unwrap_err().to_string().contains("hello.channels"));
         let bad = Hello { memory_bytes: 3, ..hello.clone() };
         assert!(Hello::decode(&bad.encode()).unwrap_err().to_string().contains("hello.memory_bytes"));
         let bad = Hello { page_size: 8192, ..hello.clone() };
