@@ -135,7 +135,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let progress = Arc::new(ProgressCell::default());
     let engine = {
         let (vm, to, progress, options) = (vm.clone(), to.clone(), progress.clone(), options.clone());
-        std::thread::spawn(move || source::migrate(&vm, &to, &options, &progress))
+        std::thread::spawn(move || source::migrate(&*vm, &to, &options, &progress))
     };
     while !engine.is_finished() {
         bar.set_message(progress_message(&serde_json::to_value(progress.get())?));

@@ -138,7 +138,7 @@ impl Host {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                let stats = source::migrate(&host.vm, &to, &options, &progress);
+                let stats = source::migrate(&*host.vm, &to, &options, &progress);
                 *host.migration.lock().unwrap() =
                     Migration::Finished { stats: Box::new(stats), at: Instant::now(), delivered: false };
             })

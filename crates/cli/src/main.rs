@@ -6,6 +6,7 @@ mod guest_host;
 mod host;
 mod migrate_cmd;
 mod receive;
+mod replay_cmd;
 mod run;
 mod trace_cmd;
 mod units;
@@ -44,6 +45,9 @@ enum Command {
     Simulate(trace_cmd::SimulateArgs),
     /// Fit the dirty-page model to a trace and predict migrations.
     Plan(trace_cmd::PlanArgs),
+    /// Migrate a trace replaying into plain memory: the real engine without
+    /// KVM (the destination runs `receive --memory-only`).
+    Replay(replay_cmd::ReplayArgs),
     /// Write the embedded guest ELF to FILE (to boot it under QEMU).
     GuestElf {
         /// Where to write the multiboot ELF.
@@ -97,6 +101,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Receive(args) => receive::receive(args),
+        Command::Replay(args) => replay_cmd::replay(args),
         Command::Migrate(args) => migrate_cmd::migrate(args),
         Command::Demo(args) => demo::demo(args),
         Command::Trace(args) => trace_cmd::trace(args),

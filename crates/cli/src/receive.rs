@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use serde_json::{json, Value};
-use tsubame_migrate::destination::{receive_on, ReceiveOptions};
+use tsubame_migrate::destination::{receive_into, receive_on, MemoryLanding, ReceiveOptions};
 use tsubame_migrate::transport::Listener;
 use tsubame_migrate::Address;
 
@@ -45,6 +45,10 @@ pub struct ReceiveArgs {
     /// Do not print the guest's lines.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Receive memory only, into plain memory with no VM (the source is a
+    /// `tsubame replay`): verify it, report, and exit. Needs no /dev/kvm.
+    #[arg(long)]
+    pub memory_only: bool,
 }
 
 /// Control requests before and after the VM arrives.
@@ -84,6 +88,9 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let options =
         ReceiveOptions { expect_memory, io_timeout: Duration::from_secs(args.timeout), hugepages: !args.no_hugepages };
     let listener = Listener::bind(&addr)?;
+    if args.memory_only {
+        return receive_memory_only(&listener, &options);
+    }
     let control = Arc::new(ReceiveControl {
         host: Mutex::new(None),
         quit: AtomicBool::new(false),
@@ -131,6 +138,24 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         },
         progress.ops,
         progress.mean_ops_per_sec
+    );
+    Ok(())
+}
+
+/// `receive --memory-only`: one migration into plain memory.
+fn receive_memory_only(listener: &Listener, options: &ReceiveOptions) -> anyhow::Result<()> {
+    eprintln!("tsubame: waiting for memory on {}", listener.local_address());
+    let stream = listener.accept()?;
+    let mut landing = MemoryLanding { max_bytes: tsubame_vmm::memory::MAX_MEMORY, memory: None, started: false };
+    let log = |m: &str| eprintln!("tsubame: {m}");
+    let received = receive_into(stream, Some(listener), options, &log, &mut landing)
+        .map_err(|e| anyhow::anyhow!("incoming migration failed: {e}"))?;
+    eprintln!(
+        "tsubame: memory received and verified: {} iterations, {} bytes in {:.1} ms, {:.2} CPU-seconds",
+        received.iterations,
+        received.bytes,
+        received.duration.as_secs_f64() * 1e3,
+        received.cpu_seconds
     );
     Ok(())
 }

@@ -117,8 +117,8 @@ impl<R: Read> Read for Counted<R> {
 pub trait Landing {
     /// Maps guest memory of this size (already range-checked).
     fn create(&mut self, memory_bytes: u64) -> Result<Arc<GuestMemory>, ReceiveError>;
-    /// Loads the vCPU and device state.
-    fn restore(&mut self, state: &VmState) -> Result<(), ReceiveError>;
+    /// Loads the vCPU and device state from the STATE frame.
+    fn restore(&mut self, state: &[u8]) -> Result<(), ReceiveError>;
     /// Runs the guest: the source has committed.
     fn start(&mut self) -> Result<(), ReceiveError>;
 }
@@ -135,8 +135,14 @@ impl Landing for VmLanding {
         Ok(vm.memory().clone())
     }
 
-    fn restore(&mut self, state: &VmState) -> Result<(), ReceiveError> {
-        Ok(self.vm.as_mut().expect("created first").restore_state(state)?)
+    fn restore(&mut self, blob: &[u8]) -> Result<(), ReceiveError> {
+        if blob.is_empty() {
+            return Err(ReceiveError::BadState(
+                "the source sent no vCPU state (a trace replay?); receive it with --memory-only".into(),
+            ));
+        }
+        let state: VmState = postcard::from_bytes(blob).map_err(|e| ReceiveError::BadState(e.to_string()))?;
+        Ok(self.vm.as_mut().expect("created first").restore_state(&state)?)
     }
 
     fn start(&mut self) -> Result<(), ReceiveError> {
@@ -164,7 +170,7 @@ impl Landing for MemoryLanding {
         Ok(self.memory.insert(mem).clone())
     }
 
-    fn restore(&mut self, _state: &VmState) -> Result<(), ReceiveError> {
+    fn restore(&mut self, _state: &[u8]) -> Result<(), ReceiveError> {
         Ok(())
     }
 
@@ -273,23 +279,54 @@ pub fn receive_on(
     options: &ReceiveOptions,
     log: &dyn Fn(&str),
 ) -> Result<Incoming, ReceiveError> {
+    let mut landing = VmLanding { vm: None, hugepages: options.hugepages };
+    let received = receive_into(stream, listener, options, log, &mut landing)?;
+    Ok(Incoming {
+        vm: landing.vm.expect("a received VM exists"),
+        iterations: received.iterations,
+        bytes: received.bytes,
+        cpu_seconds: received.cpu_seconds,
+        duration: received.duration,
+    })
+}
+
+/// What a receive cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Received {
+    /// Iterations received (stop-and-copy included).
+    pub iterations: u32,
+    /// Bytes read from the stream (every channel).
+    pub bytes: u64,
+    /// CPU-seconds this process spent from connection to resume.
+    pub cpu_seconds: f64,
+    /// Connection to resume.
+    pub duration: Duration,
+}
+
+/// Receives over an accepted connection into `landing` (a VM, or plain
+/// memory for `receive --memory-only`).
+pub fn receive_into(
+    stream: Stream,
+    listener: Option<&Listener>,
+    options: &ReceiveOptions,
+    log: &dyn Fn(&str),
+    landing: &mut dyn Landing,
+) -> Result<Received, ReceiveError> {
     let started = Instant::now();
     let cpu_start = process_cpu_seconds();
     stream.set_read_timeout(Some(options.io_timeout))?;
     let mut writer = stream.try_clone()?;
     let bytes = Arc::new(AtomicU64::new(0));
     let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream.try_clone()?), bytes: bytes.clone() };
-    let mut landing = VmLanding { vm: None, hugepages: options.hugepages };
     let channels = ChannelSource { listener, first: stream, bytes: bytes.clone() };
-    let result = StreamReceiver::new(options, log).run(&mut reader, &mut writer, &mut landing, Some(&channels));
+    let result = StreamReceiver::new(options, log).run(&mut reader, &mut writer, landing, Some(&channels));
     match result {
         Ok(iterations) => {
             let cpu = process_cpu_seconds() - cpu_start;
             // Tell the source we run, and what it cost us.
             let micros = ((cpu * 1e6) as u64).to_le_bytes();
             let _ = wire::write_frame(&mut writer, FrameKind::Resumed, &micros).and_then(|_| writer.flush());
-            Ok(Incoming {
-                vm: landing.vm.expect("a received VM exists"),
+            Ok(Received {
                 iterations,
                 bytes: bytes.load(Ordering::Relaxed),
                 cpu_seconds: cpu,
@@ -625,10 +662,10 @@ impl<'a> StreamReceiver<'a> {
         shared: &Shared,
         mem: &Arc<GuestMemory>,
         region: u32,
-    ) -> Result<VmState, ReceiveError> {
+    ) -> Result<Vec<u8>, ReceiveError> {
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
-        let state: VmState = loop {
+        let state: Vec<u8> = loop {
             match self.next(reader).map_err(with_failure)? {
                 kind @ (FrameKind::Pages | FrameKind::PagesCompressed) => {
                     main.pages(kind, &mut self.frame).map_err(with_failure)?
@@ -637,9 +674,7 @@ impl<'a> StreamReceiver<'a> {
                     last_iteration = Some(main.end(&self.frame).map_err(with_failure)?);
                     self.iterations += 1;
                 }
-                FrameKind::State => {
-                    break postcard::from_bytes(&self.frame).map_err(|e| ReceiveError::BadState(e.to_string()))?;
-                }
+                FrameKind::State => break std::mem::take(&mut self.frame),
                 other => {
                     return Err(WireError::Unexpected { got: other, expected: "PAGES, ITERATION_END or STATE" }.into())
                 }

@@ -12,11 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tsubame_vmm::{memory, Vm, PAGE_SIZE};
+use tsubame_vmm::{memory, PAGE_SIZE};
 
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
 use crate::pipeline::{Batch, EncoderSetup, Engine, EngineSetup, PipelineError, ShardLayout, Writer};
+pub use crate::source_vm::SourceVm;
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
 use crate::transport::{Address, Metered, Pacer, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
@@ -64,7 +65,7 @@ impl From<std::io::Error> for SourceError {
 
 /// Migrates `vm` to `to`. Always returns statistics; `status` says
 /// whether it worked. On failure before commit the VM runs again here.
-pub fn migrate(vm: &Vm, to: &Address, options: &MigrateOptions, progress: &ProgressCell) -> MigrationStats {
+pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progress: &ProgressCell) -> MigrationStats {
     let start = Instant::now();
     let cpu_process = process_cpu_seconds();
     let cpu_thread = thread_cpu_seconds();
@@ -146,7 +147,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 struct SourceRun<'a> {
-    vm: &'a Vm,
+    vm: &'a dyn SourceVm,
     options: &'a MigrateOptions,
     progress: &'a ProgressCell,
     stats: MigrationStats,
@@ -456,8 +457,7 @@ impl SourceRun<'_> {
         laps(&mut breakdown.final_pages_ms);
 
         // Every channel ended the iteration: channel 0 carries the rest.
-        let state = vm.save_state()?;
-        let blob = postcard::to_stdvec(&state).expect("VM state serializes");
+        let blob = vm.state_blob()?;
         self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());

@@ -1,0 +1,70 @@
+//! What the source needs of the thing it migrates: memory, a dirty log,
+//! pause/resume and a state blob. A KVM [`Vm`] is one; a trace replay
+//! into plain memory ([`crate::replay`]) is the other, so the same engine
+//! runs where there is no /dev/kvm.
+
+use tsubame_vmm::memory::GuestMemory;
+use tsubame_vmm::{VcpuStatus, Vm, VmError};
+
+/// A migratable memory with a dirty log.
+pub trait SourceVm: Sync {
+    /// Guest memory.
+    fn memory(&self) -> &GuestMemory;
+    /// Its size in bytes.
+    fn memory_bytes(&self) -> u64;
+    /// Running, paused, halted.
+    fn status(&self) -> VcpuStatus;
+    /// Turns dirty logging on or off.
+    fn set_dirty_logging(&self, on: bool) -> Result<(), VmError>;
+    /// True when [`SourceVm::dirty_log`] leaves bits set until
+    /// [`SourceVm::clear_dirty_log`] (KVM's manual protect).
+    fn manual_dirty_protect(&self) -> bool;
+    /// Words of a dirty bitmap.
+    fn dirty_bitmap_words(&self) -> usize;
+    /// Fetches the dirty bitmap.
+    fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError>;
+    /// Clears (re-protects) these bits, starting at `first_page`.
+    fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError>;
+    /// Stops the guest.
+    fn pause(&self) -> Result<(), VmError>;
+    /// Runs the guest again.
+    fn resume(&self) -> Result<(), VmError>;
+    /// The vCPU and device state as sent in the STATE frame.
+    fn state_blob(&self) -> Result<Vec<u8>, VmError>;
+}
+
+impl SourceVm for Vm {
+    fn memory(&self) -> &GuestMemory {
+        Vm::memory(self)
+    }
+    fn memory_bytes(&self) -> u64 {
+        Vm::memory_bytes(self)
+    }
+    fn status(&self) -> VcpuStatus {
+        Vm::status(self)
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), VmError> {
+        Vm::set_dirty_logging(self, on)
+    }
+    fn manual_dirty_protect(&self) -> bool {
+        Vm::manual_dirty_protect(self)
+    }
+    fn dirty_bitmap_words(&self) -> usize {
+        Vm::dirty_bitmap_words(self)
+    }
+    fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError> {
+        Vm::dirty_log(self, bitmap)
+    }
+    fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError> {
+        Vm::clear_dirty_log(self, first_page, bits)
+    }
+    fn pause(&self) -> Result<(), VmError> {
+        Vm::pause(self)
+    }
+    fn resume(&self) -> Result<(), VmError> {
+        Vm::resume(self)
+    }
+    fn state_blob(&self) -> Result<Vec<u8>, VmError> {
+        Ok(postcard::to_stdvec(&self.save_state()?).expect("VM state serializes"))
+    }
+}
