@@ -8,7 +8,6 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
@@ -214,11 +213,12 @@ fn start_proxy(listen: &Path, target: PathBuf, fault: Fault, dest_pid: u32) -> s
     std::thread::spawn(move || {
         let (client, _) = listener.accept().unwrap();
         let server = UnixStream::connect(&target).unwrap();
-        let done = Arc::new(Mutex::new(false));
         let kill = move || {
             let _ = std::process::Command::new("kill").args(["-9", &dest_pid.to_string()]).status();
         };
-        let relay = move |mut from: UnixStream, mut to: UnixStream, to_dest: bool, done: Arc<Mutex<bool>>| {
+        // Like a TCP connection, each direction ends on its own: what one
+        // side wrote before it hung up (an ERROR frame) still arrives.
+        let relay = move |mut from: UnixStream, mut to: UnixStream, to_dest: bool| {
             let mut preamble = [0u8; PREAMBLE_LEN];
             if from.read_exact(&mut preamble).is_err() {
                 return;
@@ -268,21 +268,16 @@ fn start_proxy(listen: &Path, target: PathBuf, fault: Fault, dest_pid: u32) -> s
                     }
                     _ => false,
                 };
-                if stop || *done.lock().unwrap() {
-                    break;
-                }
-                if to.write_all(&header).is_err() || to.write_all(&payload).is_err() {
+                if stop || to.write_all(&header).is_err() || to.write_all(&payload).is_err() {
                     break;
                 }
             }
-            *done.lock().unwrap() = true;
-            let _ = from.shutdown(std::net::Shutdown::Both);
-            let _ = to.shutdown(std::net::Shutdown::Both);
+            let _ = from.shutdown(std::net::Shutdown::Read);
+            let _ = to.shutdown(std::net::Shutdown::Write);
         };
         let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-        let d2 = done.clone();
-        let back = std::thread::spawn(move || relay(s2, c2, false, d2));
-        relay(client, server, true, done);
+        let back = std::thread::spawn(move || relay(s2, c2, false));
+        relay(client, server, true);
         let _ = back.join();
     })
 }

@@ -409,7 +409,8 @@ struct Shared {
     changed: Condvar,
     /// The first failure of any thread.
     failure: Mutex<Option<ReceiveError>>,
-    /// Every channel's stream, shut down on failure to wake blocked reads.
+    /// Every channel's stream, its reading half shut down on failure to wake
+    /// blocked reads.
     streams: Mutex<Vec<Stream>>,
     /// The source finished: a closed channel is expected now.
     done: std::sync::atomic::AtomicBool,
@@ -423,7 +424,7 @@ impl Shared {
         }
         drop(failure);
         for s in self.streams.lock().unwrap().iter() {
-            s.shutdown();
+            s.shutdown_read();
         }
         self.changed.notify_all();
     }

@@ -400,7 +400,7 @@ pub struct PipelineStats {
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
     /// Writing to a channel failed.
-    #[error("channel {channel}: writing failed")]
+    #[error("channel {channel}: connection lost while writing")]
     Write {
         /// Which channel.
         channel: u16,
@@ -562,11 +562,26 @@ impl Engine {
             Mode::Sequential { batch, .. } => Ok(batch.take().expect("one batch in flight at a time")),
             Mode::Threads { free_batches, .. } => {
                 let start = Instant::now();
-                let batch = free_batches.recv().map_err(|_| PipelineError::Stopped);
+                let batch = free_batches.recv();
                 self.fetch.wait_output_seconds += start.elapsed().as_secs_f64();
-                batch
+                batch.map_err(|_| self.stopped())
             }
         }
+    }
+
+    /// A stage thread is gone: the error that stopped it (a write that
+    /// failed, say), which waits in `done` behind the stages that merely
+    /// stopped after it.
+    fn stopped(&self) -> PipelineError {
+        if let Mode::Threads { done, .. } = &self.mode {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while let Ok(result) = done.recv_deadline(deadline) {
+                if let Err(e @ PipelineError::Write { .. }) = result {
+                    return e;
+                }
+            }
+        }
+        PipelineError::Stopped
     }
 
     /// Counts fetch work (timed by the caller).
@@ -620,9 +635,9 @@ impl Engine {
                 let queue = &to_encoders[batch.shard as usize];
                 self.fetch.sample_queue(queue.len(), &mut self.fetch_samples);
                 let start = Instant::now();
-                let sent = queue.send(ToEncoder::Batch(batch)).map_err(|_| PipelineError::Stopped);
+                let sent = queue.send(ToEncoder::Batch(batch));
                 self.fetch.wait_output_seconds += start.elapsed().as_secs_f64();
-                sent
+                sent.map_err(|_| self.stopped())
             }
         }
     }
@@ -645,11 +660,19 @@ impl Engine {
                 send.busy_seconds += start.elapsed().as_secs_f64();
             }
             Mode::Threads { to_encoders, done, .. } => {
-                for queue in to_encoders.iter() {
-                    queue.send(ToEncoder::End(iteration)).map_err(|_| PipelineError::Stopped)?;
-                }
+                let mut ended = to_encoders.iter().all(|queue| queue.send(ToEncoder::End(iteration)).is_ok());
                 for _ in 0..self.layout.channels {
-                    total += done.recv().map_err(|_| PipelineError::Stopped)??;
+                    match done.recv() {
+                        Ok(Ok(records)) if ended => total += records,
+                        Ok(Err(e @ PipelineError::Write { .. })) => return Err(e),
+                        _ => ended = false,
+                    }
+                    if !ended {
+                        break;
+                    }
+                }
+                if !ended {
+                    return Err(self.stopped());
                 }
             }
         }

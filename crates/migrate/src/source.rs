@@ -135,8 +135,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(inner) = source {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
+        // `#[error("...: {0}")]` with `#[from]` shows its source already.
+        let inner_text = inner.to_string();
+        if !text.ends_with(&inner_text) {
+            text.push_str(": ");
+            text.push_str(&inner_text);
+        }
         source = inner.source();
     }
     text

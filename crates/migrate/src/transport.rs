@@ -113,9 +113,19 @@ impl Stream {
 
     /// Closes both directions.
     pub fn shutdown(&self) {
+        self.shutdown_how(std::net::Shutdown::Both);
+    }
+
+    /// Wakes blocked reads but keeps the sending half open, so a last
+    /// ERROR frame can still go out.
+    pub fn shutdown_read(&self) {
+        self.shutdown_how(std::net::Shutdown::Read);
+    }
+
+    fn shutdown_how(&self, how: std::net::Shutdown) {
         let _ = match self {
-            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(how),
+            Stream::Unix(s) => s.shutdown(how),
         };
     }
 }
