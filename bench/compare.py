@@ -837,7 +837,7 @@ def new_result(case, config, rep, env):
 
 def qemu_command(env, case, tag, incoming):
     cmd = [env.qemu, "-name", f"tsb-{tag},debug-threads=on",  # names the vCPU thread "CPU 0/KVM"
-           "-enable-kvm", "-cpu", "host", "-m", case.memory, "-nodefaults", "-nographic",
+           "-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", case.memory, "-nodefaults", "-nographic",
            "-kernel", env.guest_elf, "-append", guest_cmdline(case, env.tsc_khz),
            "-chardev", f"socket,id=d,path={env.sock_dir}/{tag}-con.sock,server=on,wait=off",
            "-device", "isa-debugcon,iobase=0xe9,chardev=d",

@@ -51,7 +51,7 @@ def run_qemu(binary, args, seconds, khz):
         log = os.path.join(tmp, "console.log")
         subprocess.run([binary, "guest-elf", elf], check=True)
         qemu = subprocess.Popen(
-            ["qemu-system-x86_64", "-enable-kvm", "-cpu", "host", "-m", "1G", "-nodefaults", "-nographic",
+            ["qemu-system-x86_64", "-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", "1G", "-nodefaults", "-nographic",
              "-kernel", elf, "-append", f"workload=bwmem wss={args.wss} tsc_khz={khz}",
              "-chardev", f"file,id=d,path={log}", "-device", "isa-debugcon,iobase=0xe9,chardev=d"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

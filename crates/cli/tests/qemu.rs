@@ -26,7 +26,7 @@ fn boot_under_qemu(workload: &str) -> String {
     let log = dir.join("console.log");
     assert!(tsubame().arg("guest-elf").arg(&elf).status().unwrap().success());
     let mut qemu = Command::new("qemu-system-x86_64")
-        .args(["-enable-kvm", "-cpu", "host", "-m", "1G", "-nodefaults", "-nographic", "-kernel"])
+        .args(["-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", "1G", "-nodefaults", "-nographic", "-kernel"])
         .arg(&elf)
         .args(["-append", &format!("workload={workload} wss=64M")])
         .args(["-chardev", &format!("file,id=d,path={}", log.display())])
