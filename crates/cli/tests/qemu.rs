@@ -35,7 +35,14 @@ fn boot_under_qemu(workload: &str) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start qemu");
-    std::thread::sleep(Duration::from_secs(3));
+    // Booting is ring-0 work, which PVM emulates slowly: wait for the
+    // first progress lines rather than a fixed time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline
+        && std::fs::read_to_string(&log).unwrap_or_default().matches("tsb ops=").count() < 12
+    {
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let _ = qemu.kill();
     let out = qemu.wait_with_output().unwrap();
     let text = std::fs::read_to_string(&log).unwrap_or_default();
