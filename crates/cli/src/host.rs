@@ -288,6 +288,9 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(v) = request.get("pipeline") {
         options.pipeline = v.as_bool().ok_or("\"pipeline\" must be true or false")?;
     }
+    if let Some(v) = request.get("zero_copy") {
+        options.zero_copy = v.as_bool().ok_or("\"zero_copy\" must be true or false")?;
+    }
     if let Some(v) = request.get("abort_if_not_converged") {
         options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
     }
@@ -311,6 +314,7 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
         "batch_pages": options.batch_pages,
         "buffers": options.buffers,
         "pipeline": options.pipeline,
+        "zero_copy": options.zero_copy,
         "subpage_detect": match options.subpage_detector {
             tsubame_migrate::subpage::Detector::Shadow => "shadow",
             tsubame_migrate::subpage::Detector::Hash => "hash",

@@ -72,6 +72,11 @@ pub struct MigrateFlags {
     /// pipeline (to measure what the pipeline gains).
     #[arg(long)]
     pub no_pipeline: bool,
+    /// Send raw pages straight from guest memory with MSG_ZEROCOPY (tcp:
+    /// destinations, --codec none or zero, whole pages). Over loopback the
+    /// kernel still copies; the JSON's pipeline.zero_copy says how often.
+    #[arg(long)]
+    pub zero_copy: bool,
     /// Write the migration statistics as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -104,6 +109,7 @@ impl MigrateFlags {
             batch_pages: self.batch_pages,
             buffers: self.buffers,
             pipeline: !self.no_pipeline,
+            zero_copy: self.zero_copy,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
@@ -229,6 +235,16 @@ pub fn print_summary(stats: &Value) {
             pipeline.get("channels").and_then(Value::as_u64).unwrap_or(1),
             stages.join("; ")
         );
+        if let Some(zc) = pipeline.get("zero_copy") {
+            let n = |k: &str| zc.get(k).and_then(Value::as_u64).unwrap_or(0);
+            println!(
+                "  zero-copy:   {} sends ({}), {} completed, {} copied by the kernel after all",
+                n("sends"),
+                format_bytes(n("bytes")),
+                n("completed"),
+                n("copied")
+            );
+        }
     }
     println!(
         "  verified:    {}",

@@ -668,7 +668,7 @@ impl<'a> StreamReceiver<'a> {
         let mut last_iteration = None;
         let state: Vec<u8> = loop {
             match self.next(reader).map_err(with_failure)? {
-                kind @ (FrameKind::Pages | FrameKind::PagesCompressed) => {
+                kind @ (FrameKind::Pages | FrameKind::PagesCompressed | FrameKind::PagesZeroCopy) => {
                     main.pages(kind, &mut self.frame).map_err(with_failure)?
                 }
                 FrameKind::IterationEnd => {
@@ -738,7 +738,9 @@ fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<AtomicU64>, sha
     let mut frame = Vec::new();
     loop {
         let result = match wire::read_frame(&mut reader, &mut frame) {
-            Ok(kind @ (FrameKind::Pages | FrameKind::PagesCompressed)) => dispatch.pages(kind, &mut frame),
+            Ok(kind @ (FrameKind::Pages | FrameKind::PagesCompressed | FrameKind::PagesZeroCopy)) => {
+                dispatch.pages(kind, &mut frame)
+            }
             Ok(FrameKind::IterationEnd) => dispatch.end(&frame).map(|_| ()),
             Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),
             Err(_) if shared.done.load(Ordering::Acquire) => return,

@@ -14,6 +14,7 @@ pub mod stats;
 pub mod subpage;
 pub mod transport;
 pub mod wire;
+pub mod zerocopy;
 
 pub use options::{MigrateOptions, Progress, ProgressCell};
 pub use stats::MigrationStats;

@@ -46,6 +46,8 @@ pub struct MigrateOptions {
     pub buffers: usize,
     /// Parallel connections.
     pub channels: u16,
+    /// Send raw pages straight from guest memory with `MSG_ZEROCOPY` (TCP).
+    pub zero_copy: bool,
 }
 
 /// Default encode threads: every core but one (which fetches and sends).
@@ -73,6 +75,9 @@ impl MigrateOptions {
                 crate::wire::MAX_SHARDS,
                 self.encode_threads
             ));
+        }
+        if self.zero_copy && !(self.codecs.is_plain() && self.granularity == 4096) {
+            return Err("--zero-copy sends raw pages: use it with --codec none or zero and --granularity 4096".into());
         }
         if !(1..=64).contains(&self.buffers) {
             return Err(format!("--buffers must be 1 to 64, not {}", self.buffers));
@@ -110,6 +115,7 @@ impl Default for MigrateOptions {
             encode_threads: default_encode_threads(),
             buffers: 3,
             channels: 1,
+            zero_copy: false,
         }
     }
 }

@@ -89,10 +89,16 @@ impl PagesBuilder {
 
     /// Appends a record.
     pub fn push(&mut self, page_index: u64, encoding: Encoding, data: &[u8]) {
+        self.push_header(page_index, encoding, data.len());
+        self.buf.extend_from_slice(data);
+    }
+
+    /// Appends a record's header alone: its `len` data bytes travel
+    /// separately (zero-copy sends).
+    pub fn push_header(&mut self, page_index: u64, encoding: Encoding, len: usize) {
         self.buf.extend_from_slice(&page_index.to_le_bytes());
         self.buf.push(encoding as u8);
-        self.buf.extend_from_slice(&(data.len() as u32).to_le_bytes());
-        self.buf.extend_from_slice(data);
+        self.buf.extend_from_slice(&(len as u32).to_le_bytes());
         self.count += 1;
         self.buf[8..12].copy_from_slice(&self.count.to_le_bytes());
     }
@@ -124,10 +130,11 @@ pub struct Record<'a> {
     pub data: &'a [u8],
 }
 
-/// The codec shard a PAGES or PAGES_COMPRESSED payload belongs to, read
-/// without decompressing (a PAGES_COMPRESSED payload starts with it).
+/// The codec shard a PAGES, PAGES_ZEROCOPY or PAGES_COMPRESSED payload
+/// belongs to, read without decompressing (a PAGES_COMPRESSED payload
+/// starts with it).
 pub fn shard_of(kind: FrameKind, payload: &[u8]) -> Result<u16, WireError> {
-    let at = if kind == FrameKind::Pages { 4 } else { 0 };
+    let at = if kind == FrameKind::PagesCompressed { 0 } else { 4 };
     let bytes = payload.get(at..at + 2).ok_or(WireError::Truncated(kind))?;
     Ok(u16::from_le_bytes(bytes.try_into().unwrap()))
 }

@@ -24,10 +24,12 @@ use tsubame_codec::{CodecList, Encoded, PageEncoder, StatsTable};
 use tsubame_vmm::PAGE_SIZE;
 
 use crate::pages::{Encoding, PagesBuilder};
+use crate::pages::{PAGES_HEADER, RECORD_HEADER};
 use crate::stats::thread_cpu_seconds;
 use crate::subpage::{encode_partial, Change, Detector, SubpageStats, SubpageTracker};
 use crate::transport::{Metered, Pacer, Stream};
 use crate::wire::{self, FrameKind};
+use crate::zerocopy::{GuestPages, ZeroCopySender, ZeroCopyStats};
 
 /// Page records per PAGES frame.
 pub const RECORDS_PER_FRAME: usize = 256;
@@ -89,6 +91,9 @@ pub struct Batch {
     pub shard: u16,
     /// The verification pass: send every page raw.
     pub repair: bool,
+    /// `--zero-copy`: the pages were not read; the sender hands them to the
+    /// kernel straight from guest memory.
+    pub by_reference: bool,
     /// Page numbers.
     pub indices: Vec<u64>,
     /// False for pages the kernel never backed (zeros, not read).
@@ -103,6 +108,7 @@ impl Batch {
             iteration: 0,
             shard: 0,
             repair: false,
+            by_reference: false,
             indices: Vec::with_capacity(pages),
             populated: Vec::with_capacity(pages),
             pages: vec![0u8; pages * PAGE_SIZE],
@@ -114,6 +120,7 @@ impl Batch {
         self.iteration = iteration;
         self.shard = shard;
         self.repair = repair;
+        self.by_reference = false;
         self.indices.clear();
         self.populated.clear();
     }
@@ -222,6 +229,9 @@ impl ShardEncoder {
     /// Encodes a batch into complete frames appended to `out`; returns the
     /// records written.
     pub fn encode(&mut self, batch: &Batch, out: &mut Vec<u8>) -> u64 {
+        if batch.by_reference {
+            return self.encode_by_reference(batch, out);
+        }
         let bw = self.bandwidth.load(Ordering::Relaxed);
         if bw != self.bandwidth_seen {
             self.bandwidth_seen = bw;
@@ -282,6 +292,33 @@ impl ShardEncoder {
         if !self.builder.is_empty() {
             self.flush_frame(batch.repair, out);
         }
+        self.records += records;
+        records
+    }
+
+    /// `--zero-copy`: appends, per frame, its header, the PAGES header and
+    /// the record headers, without the pages, which [`ZeroCopySender`]
+    /// splices in from guest memory. Pages the kernel never backed are zero
+    /// records; every other page goes raw (zero detection would read it).
+    fn encode_by_reference(&mut self, batch: &Batch, out: &mut Vec<u8>) -> u64 {
+        for (frame, indices) in batch.indices.chunks(RECORDS_PER_FRAME).enumerate() {
+            self.builder.reset(batch.iteration, self.shard);
+            let mut payload_len = PAGES_HEADER;
+            for (i, &index) in indices.iter().enumerate() {
+                if self.zero_records && !batch.populated[frame * RECORDS_PER_FRAME + i] {
+                    self.builder.push_header(index, Encoding::Zero, 0);
+                    self.zero_pages += 1;
+                    payload_len += RECORD_HEADER;
+                } else {
+                    self.builder.push_header(index, Encoding::Raw, PAGE_SIZE);
+                    payload_len += RECORD_HEADER + PAGE_SIZE;
+                }
+            }
+            let headers = self.builder.payload();
+            out.extend_from_slice(&wire::zero_copy_frame_header(payload_len, headers));
+            out.extend_from_slice(headers);
+        }
+        let records = batch.len() as u64;
         self.records += records;
         records
     }
@@ -394,6 +431,9 @@ pub struct PipelineStats {
     pub buffers: usize,
     /// fetch, encode, send.
     pub stages: Vec<StageStats>,
+    /// `--zero-copy` sends and their completions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_copy: Option<ZeroCopyStats>,
 }
 
 /// What went wrong inside the pipeline.
@@ -434,7 +474,12 @@ enum ToEncoder {
 
 enum ToSender {
     Frames(Vec<u8>),
-    End { iteration: u32, records: u64 },
+    /// Frame and record headers whose pages come from guest memory.
+    ZeroCopy(Vec<u8>),
+    End {
+        iteration: u32,
+        records: u64,
+    },
 }
 
 /// The stages and their threads (or, sequential, their state in turn).
@@ -444,6 +489,7 @@ pub struct Engine {
     live: Arc<LiveBusy>,
     threads: (u32, u32),
     writers: Vec<Arc<Mutex<Writer>>>,
+    guest: Option<GuestPages>,
     fetch: StageStats,
     fetch_samples: u64,
     mode: Mode,
@@ -457,13 +503,14 @@ enum Mode {
         encode: Box<StageStats>,
         send: Box<StageStats>,
         records: Vec<u64>,
+        zero_copy: Vec<ZeroCopySender>,
     },
     Threads {
         to_encoders: Vec<Sender<ToEncoder>>,
         free_batches: Receiver<Batch>,
         done: Receiver<Result<u64, PipelineError>>,
         encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
-        senders: Vec<std::thread::JoinHandle<StageStats>>,
+        senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
     },
 }
 
@@ -473,6 +520,8 @@ pub struct EngineSetup {
     pub pipelined: bool,
     /// Buffers per stage (queue depth).
     pub buffers: usize,
+    /// `--zero-copy`: guest memory, where the senders take raw pages from.
+    pub guest: Option<GuestPages>,
 }
 
 impl Engine {
@@ -492,6 +541,7 @@ impl Engine {
                 encode: Box::new(StageStats::named("encode")),
                 send: Box::new(StageStats::named("send")),
                 records: vec![0; layout.channels as usize],
+                zero_copy: (0..layout.channels).map(|_| ZeroCopySender::default()).collect(),
             }
         } else {
             let buffers = setup.buffers.max(1);
@@ -513,13 +563,21 @@ impl Engine {
                 for _ in 0..buffers * carried + 2 * carried {
                     pool_tx.send(Vec::with_capacity(batch_pages * (PAGE_SIZE + 64))).expect("pool has room");
                 }
-                let writer = writer.clone();
-                let done = done_tx.clone();
-                let live = live.clone();
+                let sender = SendLoop {
+                    channel,
+                    shards: carried,
+                    writer: writer.clone(),
+                    input: rx,
+                    pool: pool_tx,
+                    done: done_tx.clone(),
+                    live: live.clone(),
+                    pacer: pacer.clone(),
+                    guest: setup.guest,
+                };
                 senders.push(
                     std::thread::Builder::new()
                         .name(format!("send-{channel}"))
-                        .spawn(move || send_loop(channel, carried, writer, rx, pool_tx, done, live))
+                        .spawn(move || sender.run())
                         .expect("spawn sender"),
                 );
                 to_senders.push(tx);
@@ -548,7 +606,17 @@ impl Engine {
             }
             Mode::Threads { to_encoders, free_batches: free_rx, done: done_rx, encoders: handles, senders }
         };
-        Engine { layout, pacer, live, threads, writers, fetch: StageStats::named("fetch"), fetch_samples: 0, mode }
+        Engine {
+            layout,
+            pacer,
+            live,
+            threads,
+            writers,
+            guest: setup.guest,
+            fetch: StageStats::named("fetch"),
+            fetch_samples: 0,
+            mode,
+        }
     }
 
     /// The layout of shards and channels.
@@ -610,10 +678,11 @@ impl Engine {
     pub fn submit(&mut self, batch: Batch) -> Result<(), PipelineError> {
         let layout = self.layout;
         match &mut self.mode {
-            Mode::Sequential { encoders, batch: slot, out, encode, send, records } => {
+            Mode::Sequential { encoders, batch: slot, out, encode, send, records, zero_copy } => {
                 let start = Instant::now();
                 out.clear();
                 let shard = batch.shard;
+                let by_reference = batch.by_reference;
                 records[layout.channel(shard) as usize] += encoders[shard as usize].encode(&batch, out);
                 encode.busy_seconds += start.elapsed().as_secs_f64();
                 add_busy(&self.live.encode, start.elapsed());
@@ -621,11 +690,20 @@ impl Engine {
                 *slot = Some(batch);
                 let start = Instant::now();
                 let channel = layout.channel(shard);
-                self.writers[channel as usize]
-                    .lock()
-                    .unwrap()
-                    .write_all(out)
-                    .map_err(|source| PipelineError::Write { channel, source })?;
+                let mut writer = self.writers[channel as usize].lock().unwrap();
+                let sent = match (by_reference, &self.guest) {
+                    // One buffer in turn: wait until the kernel is done with it.
+                    (true, Some(guest)) => {
+                        let sender = &mut zero_copy[channel as usize];
+                        send_by_reference(&mut writer, sender, std::mem::take(out), guest, &self.pacer, 0).map(
+                            |mut released| {
+                                *out = released.pop().unwrap_or_default();
+                            },
+                        )
+                    }
+                    _ => writer.write_all(out),
+                };
+                sent.map_err(|source| PipelineError::Write { channel, source })?;
                 send.busy_seconds += start.elapsed().as_secs_f64();
                 add_busy(&self.live.send, start.elapsed());
                 send.items += 1;
@@ -695,8 +773,14 @@ impl Engine {
     pub fn finish(self, options: &EngineSetup) -> (Vec<ShardEncoder>, PipelineStats) {
         let mut fetch = self.fetch;
         fetch.cpu_seconds = 0.0; // the migration thread's CPU is reported on its own
+        let mut zero_copy_total = ZeroCopyStats::default();
         let (encoders, mut encode, mut send, mode) = match self.mode {
-            Mode::Sequential { encoders, encode, send, .. } => (encoders, *encode, *send, "sequential"),
+            Mode::Sequential { encoders, encode, send, zero_copy, .. } => {
+                for sender in &zero_copy {
+                    zero_copy_total.add(&sender.stats);
+                }
+                (encoders, *encode, *send, "sequential")
+            }
             Mode::Threads { to_encoders, encoders, senders, .. } => {
                 drop(to_encoders);
                 let mut encode = StageStats { threads: 0, ..StageStats::named("encode") };
@@ -709,8 +793,9 @@ impl Engine {
                     }
                 }
                 for handle in senders {
-                    if let Ok(stats) = handle.join() {
+                    if let Ok((stats, zero_copy)) = handle.join() {
                         send.merge(&stats);
+                        zero_copy_total.add(&zero_copy);
                     }
                 }
                 (shard_encoders, encode, send, "pipelined")
@@ -725,6 +810,7 @@ impl Engine {
             batch_pages: self.layout.batch_pages,
             buffers: options.buffers,
             stages: vec![fetch, encode, send],
+            zero_copy: self.guest.is_some().then_some(zero_copy_total),
         };
         (encoders, stats)
     }
@@ -771,10 +857,11 @@ impl EncodeLoop {
                     stats.busy_seconds += start.elapsed().as_secs_f64();
                     add_busy(&self.live.encode, start.elapsed());
                     stats.items += 1;
+                    let item = if batch.by_reference { ToSender::ZeroCopy(out) } else { ToSender::Frames(out) };
                     let _ = self.free_batches.send(batch);
                     stats.sample_queue(self.output.len(), &mut samples);
                     let start = Instant::now();
-                    if self.output.send(ToSender::Frames(out)).is_err() {
+                    if self.output.send(item).is_err() {
                         let _ = self.done.send(Err(PipelineError::Stopped));
                         break;
                     }
@@ -794,57 +881,113 @@ impl EncodeLoop {
     }
 }
 
-fn send_loop(
+/// A channel's sender thread: writes what the encoders made, in order.
+struct SendLoop {
     channel: u16,
+    /// Shards this channel carries: ITERATION_END waits for each.
     shards: usize,
     writer: Arc<Mutex<Writer>>,
     input: Receiver<ToSender>,
     pool: Sender<Vec<u8>>,
     done: Sender<Result<u64, PipelineError>>,
     live: Arc<LiveBusy>,
-) -> StageStats {
-    let cpu = thread_cpu_seconds();
-    let mut stats = StageStats::named("send");
-    let mut ends = 0;
-    let mut records = 0u64;
-    loop {
-        let start = Instant::now();
-        let Ok(item) = input.recv() else { break };
-        stats.wait_input_seconds += start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let result = match item {
-            ToSender::Frames(bytes) => {
-                let r = writer.lock().unwrap().write_all(&bytes);
-                let _ = pool.send(bytes);
-                stats.items += 1;
-                r
-            }
-            ToSender::End { iteration, records: shard_records } => {
-                ends += 1;
-                records += shard_records;
-                if ends < shards {
-                    Ok(())
-                } else {
-                    ends = 0;
-                    let r = write_iteration_end(&mut *writer.lock().unwrap(), iteration, records);
-                    if r.is_ok() {
-                        let _ = done.send(Ok(records));
-                    }
-                    records = 0;
+    pacer: Arc<Pacer>,
+    guest: Option<GuestPages>,
+}
+
+impl SendLoop {
+    fn run(self) -> (StageStats, ZeroCopyStats) {
+        let cpu = thread_cpu_seconds();
+        let mut stats = StageStats::named("send");
+        let mut zero_copy = ZeroCopySender::default();
+        let mut ends = 0;
+        let mut records = 0u64;
+        loop {
+            let start = Instant::now();
+            let Ok(item) = self.input.recv() else { break };
+            stats.wait_input_seconds += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            let result = match item {
+                ToSender::Frames(bytes) => {
+                    let r = self.writer.lock().unwrap().write_all(&bytes);
+                    let _ = self.pool.send(bytes);
+                    stats.items += 1;
                     r
                 }
+                ToSender::ZeroCopy(headers) => {
+                    let guest = self.guest.as_ref().expect("zero-copy batches come with guest memory");
+                    let mut writer = self.writer.lock().unwrap();
+                    // Hold one buffer in the kernel at most, so the encoders
+                    // never run out while we wait for completions.
+                    stats.items += 1;
+                    send_by_reference(&mut writer, &mut zero_copy, headers, guest, &self.pacer, 1).map(|released| {
+                        for buffer in released {
+                            let _ = self.pool.send(buffer);
+                        }
+                    })
+                }
+                ToSender::End { iteration, records: shard_records } => {
+                    ends += 1;
+                    records += shard_records;
+                    if ends < self.shards {
+                        Ok(())
+                    } else {
+                        ends = 0;
+                        let r = write_iteration_end(&mut *self.writer.lock().unwrap(), iteration, records);
+                        if r.is_ok() {
+                            let _ = self.done.send(Ok(records));
+                        }
+                        records = 0;
+                        r
+                    }
+                }
+            };
+            stats.busy_seconds += start.elapsed().as_secs_f64();
+            add_busy(&self.live.send, start.elapsed());
+            if let Err(source) = result {
+                let _ = self.done.send(Err(PipelineError::Write { channel: self.channel, source }));
+                break;
             }
-        };
-        stats.busy_seconds += start.elapsed().as_secs_f64();
-        add_busy(&live.send, start.elapsed());
-        if let Err(source) = result {
-            let _ = done.send(Err(PipelineError::Write { channel, source }));
-            break;
         }
+        if zero_copy.stats.sends > 0 {
+            if let Some(fd) = tcp_fd(&self.writer.lock().unwrap()) {
+                let _ = zero_copy.settle(fd, 0, Duration::from_secs(2));
+            }
+        }
+        stats.cpu_seconds = thread_cpu_seconds() - cpu;
+        (stats, zero_copy.stats)
     }
-    stats.cpu_seconds = thread_cpu_seconds() - cpu;
-    stats
 }
+
+/// The socket under a writer, when it is TCP (zero-copy needs one).
+pub fn tcp_fd(writer: &Writer) -> Option<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    match writer.get_ref().get_ref() {
+        Stream::Tcp(s) => Some(s.as_raw_fd()),
+        _ => None,
+    }
+}
+
+/// Sends zero-copy frames on a channel, after whatever its writer holds,
+/// then waits until the kernel holds at most `keep` header buffers; returns
+/// the buffers it is done with.
+fn send_by_reference(
+    writer: &mut Writer,
+    sender: &mut ZeroCopySender,
+    headers: Vec<u8>,
+    guest: &GuestPages,
+    pacer: &Pacer,
+    keep: usize,
+) -> std::io::Result<Vec<Vec<u8>>> {
+    writer.flush()?;
+    let fd = tcp_fd(writer).ok_or_else(|| std::io::Error::other("--zero-copy needs a TCP connection"))?;
+    sender.send(fd, headers, guest, &|n| pacer.pace(n))?;
+    sender.settle(fd, keep, ZERO_COPY_PATIENCE)
+}
+
+/// How long a sender waits for the kernel to finish with its buffers: as
+/// long as a silent destination may take to read them.
+const ZERO_COPY_PATIENCE: Duration = Duration::from_secs(30);
 
 #[cfg(test)]
 mod tests {

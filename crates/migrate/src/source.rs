@@ -21,6 +21,7 @@ pub use crate::source_vm::SourceVm;
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
 use crate::transport::{Address, Metered, Pacer, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
+use crate::zerocopy::{self, GuestPages};
 
 /// Times the verification pass may re-send regions before giving up.
 const MAX_REPAIR_ROUNDS: u32 = 2;
@@ -227,6 +228,19 @@ impl SourceRun<'_> {
             wire::read_preamble(&mut std::io::BufReader::new(stream))?;
             writers.push(w);
         }
+        if options.zero_copy {
+            if GuestPages::of(vm.memory()).is_none() {
+                return Err(SourceError::BadOptions("--zero-copy needs guest memory in one mapping".into()));
+            }
+            for w in &writers {
+                let fd = crate::pipeline::tcp_fd(w).ok_or_else(|| {
+                    SourceError::BadOptions(format!("--zero-copy needs a tcp: destination, not {to}"))
+                })?;
+                zerocopy::enable(fd).map_err(|e| {
+                    SourceError::BadOptions(format!("--zero-copy: the kernel refused SO_ZEROCOPY ({e})"))
+                })?;
+            }
+        }
         self.stats.setup_time_ms = ms(self.start.elapsed());
 
         let encoder_setup = EncoderSetup {
@@ -248,7 +262,11 @@ impl SourceRun<'_> {
     }
 
     fn engine_setup(&self) -> EngineSetup {
-        EngineSetup { pipelined: self.options.pipeline, buffers: self.options.buffers }
+        EngineSetup {
+            pipelined: self.options.pipeline,
+            buffers: self.options.buffers,
+            guest: if self.options.zero_copy { GuestPages::of(self.vm.memory()) } else { None },
+        }
     }
 
     fn engine(&mut self) -> &mut Engine {
@@ -389,6 +407,7 @@ impl SourceRun<'_> {
             let mut batch = self.engine().take_batch()?;
             let fetch_start = Instant::now();
             batch.clear(iteration, layout.shard(first_page), false);
+            batch.by_reference = self.options.zero_copy;
             vm.clear_dirty_log(first_page, chunk)?;
             // Pages the kernel never populated are zeros: don't read them
             // (reading would populate them, and cost a fault each).
@@ -403,7 +422,7 @@ impl SourceRun<'_> {
                     bits &= bits - 1;
                     let index = first_page + offset as u64;
                     let backed = populated[offset] || !zero_records;
-                    if backed {
+                    if backed && !batch.by_reference {
                         memory::read_page(vm.memory(), index, batch.next_slot()).map_err(tsubame_vmm::VmError::from)?;
                     }
                     batch.push(index, backed);

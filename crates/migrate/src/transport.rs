@@ -280,6 +280,13 @@ impl Pacer {
         self.bytes.load(Ordering::Relaxed)
     }
 
+    /// Waits until `n` bytes may go and counts them: for writes that
+    /// bypass [`Metered`] (zero-copy sends).
+    pub fn pace(&self, n: usize) {
+        self.wait_for(n);
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
     /// The largest write that may go in one step.
     fn slice(&self, len: usize) -> usize {
         match self.rate {

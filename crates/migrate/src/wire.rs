@@ -63,6 +63,11 @@ pub enum FrameKind {
     PagesCompressed = 12,
     /// First frame of an extra channel: which migration and channel it is.
     Channel = 13,
+    /// A PAGES payload of raw pages sent with `--zero-copy`: its CRC covers
+    /// the frame header, the PAGES header and the record headers, not the
+    /// pages (the kernel reads them after the CRC is made; the memory
+    /// digest checks them).
+    PagesZeroCopy = 14,
 }
 
 impl FrameKind {
@@ -82,6 +87,7 @@ impl FrameKind {
             11 => Mismatch,
             12 => PagesCompressed,
             13 => Channel,
+            14 => PagesZeroCopy,
             _ => return None,
         })
     }
@@ -168,6 +174,33 @@ pub fn frame_header(kind: FrameKind, payload: &[u8]) -> [u8; FRAME_HEADER_LEN] {
     h
 }
 
+/// The CRC of a PAGES_ZEROCOPY frame: header[..8], the PAGES header and
+/// each record's header, skipping the record data. None when the records
+/// run past the payload.
+pub fn zero_copy_crc(h: &[u8; FRAME_HEADER_LEN], payload: &[u8]) -> Option<u32> {
+    use crate::pages::{PAGES_HEADER, RECORD_HEADER};
+    let mut crc = crc32c::crc32c_append(crc32c::crc32c(&h[..8]), payload.get(..PAGES_HEADER)?);
+    let count = u32::from_le_bytes(payload[8..12].try_into().unwrap());
+    let mut at = PAGES_HEADER;
+    for _ in 0..count.min(crate::pages::MAX_RECORDS) {
+        let record = payload.get(at..at + RECORD_HEADER)?;
+        crc = crc32c::crc32c_append(crc, record);
+        at += RECORD_HEADER + u32::from_le_bytes(record[9..13].try_into().unwrap()) as usize;
+    }
+    Some(crc)
+}
+
+/// The header of a PAGES_ZEROCOPY frame whose payload is `payload_len`
+/// bytes; `headers` are its PAGES header and record headers, back to back.
+pub fn zero_copy_frame_header(payload_len: usize, headers: &[u8]) -> [u8; FRAME_HEADER_LEN] {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    h[0..2].copy_from_slice(&(FrameKind::PagesZeroCopy as u16).to_le_bytes());
+    h[4..8].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&h[..8]), headers);
+    h[8..12].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
 /// Writes one frame.
 pub fn write_frame(w: &mut impl Write, kind: FrameKind, payload: &[u8]) -> std::io::Result<()> {
     debug_assert!(payload.len() <= MAX_PAYLOAD);
@@ -199,7 +232,11 @@ pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<FrameKind, Wir
     buf.resize(len, 0);
     r.read_exact(buf)?;
     let want = u32::from_le_bytes(h[8..12].try_into().unwrap());
-    let got = crc32c::crc32c_append(crc32c::crc32c(&h[..8]), buf);
+    let got = match kind {
+        FrameKind::PagesZeroCopy => zero_copy_crc(&h, buf),
+        _ => Some(crc32c::crc32c_append(crc32c::crc32c(&h[..8]), buf)),
+    };
+    let got = got.unwrap_or(!want);
     // Fuzz builds skip the check so mutations reach the parsers behind it.
     if want != got && !cfg!(fuzzing) {
         return Err(WireError::BadCrc { kind });
@@ -395,6 +432,33 @@ pub fn decode_channel(payload: &[u8]) -> Result<(u64, u16), WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_copy_crc_covers_headers_not_data() {
+        let mut b = crate::pages::PagesBuilder::new(2);
+        b.reset(1, 0);
+        b.push_header(7, crate::pages::Encoding::Raw, 4096);
+        b.push_header(8, crate::pages::Encoding::Zero, 0);
+        let headers = b.payload().to_vec();
+        // The payload as it arrives: the page spliced in after its header.
+        let mut payload = headers[..crate::pages::PAGES_HEADER + crate::pages::RECORD_HEADER].to_vec();
+        payload.extend_from_slice(&[0xAB; 4096]);
+        payload.extend_from_slice(&headers[crate::pages::PAGES_HEADER + crate::pages::RECORD_HEADER..]);
+        let h = zero_copy_frame_header(payload.len(), &headers);
+        let frame = |payload: &[u8]| [&h[..], payload].concat();
+        let mut buf = Vec::new();
+        assert_eq!(read_frame(&mut frame(&payload).as_slice(), &mut buf).unwrap(), FrameKind::PagesZeroCopy);
+        // Page bytes are the digest's business; headers are the CRC's.
+        let mut changed_page = payload.clone();
+        changed_page[100] ^= 1;
+        assert!(read_frame(&mut frame(&changed_page).as_slice(), &mut buf).is_ok());
+        let mut changed_index = payload.clone();
+        changed_index[crate::pages::PAGES_HEADER] ^= 1;
+        assert!(matches!(read_frame(&mut frame(&changed_index).as_slice(), &mut buf), Err(WireError::BadCrc { .. })));
+        let mut bad_count = payload;
+        bad_count[8] = 200; // records past the payload
+        assert!(matches!(read_frame(&mut frame(&bad_count).as_slice(), &mut buf), Err(WireError::BadCrc { .. })));
+    }
 
     #[test]
     fn frame_round_trip_and_crc() {

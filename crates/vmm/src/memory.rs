@@ -66,6 +66,18 @@ pub(crate) fn host_address(mem: &GuestMemory, gpa: u64) -> *mut u8 {
     mem.get_host_address(GuestAddress(gpa)).expect("address inside guest memory")
 }
 
+/// The host mapping behind guest memory, when it is one mapping (as
+/// [`create`] makes it): its address and length. For zero-copy sends, which
+/// hand guest pages to the kernel by address.
+pub fn single_mapping(mem: &GuestMemory) -> Option<(*const u8, usize)> {
+    let mut regions = mem.iter();
+    let region = regions.next()?;
+    if regions.next().is_some() || region.start_addr().0 != 0 {
+        return None;
+    }
+    Some((host_address(mem, 0).cast_const(), region.len() as usize))
+}
+
 /// Copies page `index` out of guest memory.
 pub fn read_page(mem: &GuestMemory, index: u64, out: &mut [u8; PAGE_SIZE]) -> Result<(), MemoryError> {
     let addr = index * PAGE_SIZE as u64;
