@@ -1,0 +1,51 @@
+//! Errors of the GPU backend.
+
+use tsubame_codec::CodecError;
+
+/// What went wrong on the way to, or on, the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// libcuda could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver found (libcuda.so.1 did not load)")]
+    NoDriver,
+    /// The driver loaded but reports no usable device.
+    #[error("no CUDA device found")]
+    NoDevice,
+    /// A CUDA driver call failed.
+    #[error("CUDA {call} failed: {code}")]
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// Its result code.
+        code: String,
+    },
+    /// libnvrtc could not be loaded.
+    #[error("no NVRTC library found (set TSUBAME_NVRTC to libnvrtc.so.12, or pip install nvidia-cuda-nvrtc-cu12)")]
+    NoNvrtc,
+    /// NVRTC rejected the kernels; the log says why.
+    #[error("NVRTC could not compile the kernels: {log}")]
+    Compile {
+        /// NVRTC's log.
+        log: String,
+    },
+    /// libnvcomp could not be loaded or lacks a function.
+    #[error("nvCOMP unavailable: {0}")]
+    NvcompMissing(String),
+    /// An nvCOMP call failed.
+    #[error("nvCOMP {call} failed with status {status}")]
+    Nvcomp {
+        /// The nvCOMP function.
+        call: &'static str,
+        /// Its nvcompStatus_t.
+        status: i32,
+    },
+    /// The emulator does not know a kernel (a bug).
+    #[error("kernel {0} is unknown")]
+    UnknownKernel(&'static str),
+    /// A batch the backend cannot take.
+    #[error("bad batch: {0}")]
+    BadBatch(String),
+    /// A record the decoder rejected.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+}
