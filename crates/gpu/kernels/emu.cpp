@@ -11,7 +11,8 @@
 struct EmuDim {
     unsigned x, y, z;
 };
-static EmuDim threadIdx, blockIdx, blockDim, gridDim;
+// thread_local: several emulated GPUs (one per encoder thread) run at once.
+static thread_local EmuDim threadIdx, blockIdx, blockDim, gridDim;
 
 #define __global__
 #define __device__
