@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tsubame_migrate::recorder::{self, RecordOptions};
-use tsubame_migrate::{source, Address, MigrateOptions, MigrationStats, ProgressCell};
+use tsubame_migrate::{source, Address, GpuOffload, MigrateOptions, MigrationStats, ProgressCell};
 use tsubame_vmm::{VcpuStatus, Vm};
 
 use crate::control::ControlHandler;
@@ -288,6 +288,14 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(v) = request.get("pipeline") {
         options.pipeline = v.as_bool().ok_or("\"pipeline\" must be true or false")?;
     }
+    if let Some(v) = request.get("gpu").filter(|v| !v.is_null()) {
+        let text = v.as_str().ok_or("\"gpu\" must be a string: cuda:POLICY or emulator")?;
+        options.gpu = Some(match text.split_once(':') {
+            Some(("cuda", wait)) => GpuOffload::Cuda(wait.parse()?),
+            None if text == "emulator" => GpuOffload::Emulator,
+            _ => return Err(format!("\"gpu\": '{text}' is not cuda:POLICY or emulator")),
+        });
+    }
     if let Some(v) = request.get("zero_copy") {
         options.zero_copy = v.as_bool().ok_or("\"zero_copy\" must be true or false")?;
     }
@@ -315,6 +323,10 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
         "buffers": options.buffers,
         "pipeline": options.pipeline,
         "zero_copy": options.zero_copy,
+        "gpu": options.gpu.map(|gpu| match gpu {
+            GpuOffload::Cuda(wait) => format!("cuda:{wait}"),
+            GpuOffload::Emulator => "emulator".to_string(),
+        }),
         "subpage_detect": match options.subpage_detector {
             tsubame_migrate::subpage::Detector::Shadow => "shadow",
             tsubame_migrate::subpage::Detector::Hash => "hash",

@@ -8,7 +8,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use tsubame_migrate::subpage::check_granularity;
-use tsubame_migrate::{Address, MigrateOptions};
+use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
 
 use crate::control::ControlClient;
 use crate::host::migrate_request_fields;
@@ -77,12 +77,38 @@ pub struct MigrateFlags {
     /// kernel still copies; the JSON's pipeline.zero_copy says how often.
     #[arg(long)]
     pub zero_copy: bool,
+    /// Run the page codecs (zero, rle, xbzrle, dedup) on a CUDA GPU; the
+    /// records are the CPU codecs' byte for byte. Fails with one line where
+    /// no CUDA driver is found.
+    #[arg(long)]
+    pub gpu: bool,
+    /// How the host waits for the GPU: spin, sleep-min (GMigrate: sleep
+    /// for the shortest batch time seen, then sync) or blocking (CUDA
+    /// blocking-sync events).
+    #[arg(long, value_name = "POLICY", default_value = "blocking", requires = "gpu")]
+    pub gpu_wait: String,
+    /// Where --gpu runs the kernels: cuda, or emulator (the same kernels
+    /// compiled for this CPU; slow, to test the GPU path without a GPU).
+    #[arg(long, value_name = "BACKEND", default_value = "cuda", requires = "gpu")]
+    pub gpu_backend: String,
     /// Write the migration statistics as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }
 
 impl MigrateFlags {
+    fn gpu(&self) -> Result<Option<GpuOffload>, String> {
+        if !self.gpu {
+            return Ok(None);
+        }
+        let wait = self.gpu_wait.parse().map_err(|e| format!("--gpu-wait: {e}"))?;
+        match self.gpu_backend.as_str() {
+            "cuda" => Ok(Some(GpuOffload::Cuda(wait))),
+            "emulator" => Ok(Some(GpuOffload::Emulator)),
+            other => Err(format!("--gpu-backend: unknown '{other}' (known: cuda, emulator)")),
+        }
+    }
+
     /// The engine's options, checked.
     pub fn options(&self) -> anyhow::Result<MigrateOptions> {
         let max_bandwidth = match &self.max_bandwidth {
@@ -110,6 +136,7 @@ impl MigrateFlags {
             buffers: self.buffers,
             pipeline: !self.no_pipeline,
             zero_copy: self.zero_copy,
+            gpu: self.gpu().map_err(usage_error)?,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;

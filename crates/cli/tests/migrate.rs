@@ -374,3 +374,30 @@ fn migrate_bad_input_is_exit_2() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is `tsubame run --control` running?"));
 }
+
+#[test]
+fn gpu_without_a_driver_is_one_clear_line() {
+    if !kvm_or_skip() {
+        return;
+    }
+    if tsubame_gpu_driver_present() {
+        println!("skipped: a CUDA driver is present, so --gpu would not fail here");
+        return;
+    }
+    let dir = scratch("gpu-none");
+    let out =
+        tsubame().args(["demo", "--memory", "128M", "--workload", "idle", "--gpu"]).current_dir(&dir).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.trim().lines().last().unwrap_or_default();
+    assert!(last.contains("no CUDA driver found") && last.contains("keeps running here"), "{stderr}");
+}
+
+fn tsubame_gpu_driver_present() -> bool {
+    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+        std::process::Command::new("sh")
+            .args(["-c", &format!("ldconfig -p | grep -q {name}")])
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}

@@ -443,6 +443,19 @@ impl PageEncoder {
         }
     }
 
+    /// Counts a record another encoder (the GPU's) made for one page:
+    /// `tag` is its record tag, `bytes_out` its length.
+    pub fn count_record(&mut self, tag: u8, bytes_out: usize) {
+        let codec = match tag {
+            crate::TAG_ZERO => Codec::Zero,
+            crate::TAG_RLE => Codec::Rle,
+            crate::TAG_XBZRLE => Codec::Xbzrle,
+            crate::TAG_DEDUP => Codec::Dedup,
+            _ => Codec::Raw,
+        };
+        self.stats.count(codec, PAGE, bytes_out);
+    }
+
     /// Counts a compressed batch under `name` ("lz4" or "zstd").
     pub fn count_batch(&mut self, name: &str, bytes_in: usize, bytes_out: usize) {
         let codec = match name {

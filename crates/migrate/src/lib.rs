@@ -16,6 +16,6 @@ pub mod transport;
 pub mod wire;
 pub mod zerocopy;
 
-pub use options::{MigrateOptions, Progress, ProgressCell};
+pub use options::{GpuOffload, MigrateOptions, Progress, ProgressCell};
 pub use stats::MigrationStats;
 pub use transport::Address;

@@ -48,6 +48,18 @@ pub struct MigrateOptions {
     pub channels: u16,
     /// Send raw pages straight from guest memory with `MSG_ZEROCOPY` (TCP).
     pub zero_copy: bool,
+    /// Run the per-page codecs on a GPU.
+    pub gpu: Option<GpuOffload>,
+}
+
+/// Where `--gpu` runs the codecs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuOffload {
+    /// A CUDA GPU, the host waiting as the policy says.
+    Cuda(tsubame_gpu::WaitPolicy),
+    /// The same kernels compiled for the host: tests the pipeline's GPU
+    /// path where there is no GPU.
+    Emulator,
 }
 
 /// Default encode threads: every core but one (which fetches and sends).
@@ -78,6 +90,9 @@ impl MigrateOptions {
         }
         if self.zero_copy && !(self.codecs.is_plain() && self.granularity == 4096) {
             return Err("--zero-copy sends raw pages: use it with --codec none or zero and --granularity 4096".into());
+        }
+        if self.gpu.is_some() && (self.granularity != 4096 || self.zero_copy) {
+            return Err("--gpu encodes whole pages: use it with --granularity 4096 and without --zero-copy".into());
         }
         if !(1..=64).contains(&self.buffers) {
             return Err(format!("--buffers must be 1 to 64, not {}", self.buffers));
@@ -116,6 +131,7 @@ impl Default for MigrateOptions {
             buffers: 3,
             channels: 1,
             zero_copy: false,
+            gpu: None,
         }
     }
 }

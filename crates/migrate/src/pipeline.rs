@@ -21,8 +21,10 @@ use serde::Serialize;
 use tsubame_codec::batch::BatchCompressor;
 use tsubame_codec::chooser::Payoff;
 use tsubame_codec::{CodecList, Encoded, PageEncoder, StatsTable};
+use tsubame_gpu::{Cuda, CudaOptions, Emulator, EncodedBatch, GpuEncoder, GpuError};
 use tsubame_vmm::PAGE_SIZE;
 
+use crate::options::GpuOffload;
 use crate::pages::{Encoding, PagesBuilder};
 use crate::pages::{PAGES_HEADER, RECORD_HEADER};
 use crate::stats::thread_cpu_seconds;
@@ -170,6 +172,10 @@ pub struct ShardEncoder {
     compressed_frame: Vec<u8>,
     bandwidth: Arc<AtomicU64>,
     bandwidth_seen: u64,
+    /// `--gpu`: the per-page codecs run there.
+    gpu: Option<Box<dyn GpuBatchEncoder>>,
+    /// `--gpu`: a batch with its never-backed pages zeroed.
+    gpu_pages: Vec<u8>,
     /// Records and zero records encoded.
     pub records: u64,
     /// Of those, zero records.
@@ -192,13 +198,41 @@ pub struct EncoderSetup<'a> {
     pub layout: ShardLayout,
     /// Current link bandwidth (f64 bits), set by the migration thread.
     pub bandwidth: Arc<AtomicU64>,
+    /// `--gpu`: where the per-page codecs run.
+    pub gpu: Option<GpuOffload>,
+}
+
+/// A GPU encoder of whole batches, whatever its backend.
+trait GpuBatchEncoder: Send {
+    fn encode_batch(&mut self, pages: &[u8], indices: &[u64]) -> Result<EncodedBatch, GpuError>;
+}
+
+impl<B: tsubame_gpu::Backend + Send> GpuBatchEncoder for GpuEncoder<B> {
+    fn encode_batch(&mut self, pages: &[u8], indices: &[u64]) -> Result<EncodedBatch, GpuError> {
+        GpuEncoder::encode_batch(self, pages, indices)
+    }
+}
+
+/// Opens the GPU encoder of one shard, with that shard's codec caches.
+fn open_gpu(gpu: GpuOffload, codecs: &CodecList, batch_pages: usize) -> Result<Box<dyn GpuBatchEncoder>, GpuError> {
+    Ok(match gpu {
+        GpuOffload::Cuda(wait) => {
+            let cuda = Cuda::open(CudaOptions { max_pages: batch_pages, wait, ..CudaOptions::default() })?;
+            Box::new(GpuEncoder::new(cuda, codecs, batch_pages)?)
+        }
+        GpuOffload::Emulator => Box::new(GpuEncoder::new(Emulator::new(2), codecs, batch_pages)?),
+    })
 }
 
 impl ShardEncoder {
-    /// The encoder of `shard`.
-    pub fn new(shard: u16, setup: &EncoderSetup) -> ShardEncoder {
+    /// The encoder of `shard`; fails only when `--gpu` finds no GPU.
+    pub fn new(shard: u16, setup: &EncoderSetup) -> Result<ShardEncoder, GpuError> {
         let codecs = shard_codecs(setup.codecs, setup.layout.shards);
-        ShardEncoder {
+        let gpu = match setup.gpu {
+            Some(gpu) => Some(open_gpu(gpu, &codecs, setup.layout.batch_pages as usize)?),
+            None => None,
+        };
+        Ok(ShardEncoder {
             shard,
             layout: setup.layout,
             granularity: setup.granularity as usize,
@@ -221,16 +255,21 @@ impl ShardEncoder {
             compressed_frame: Vec::new(),
             bandwidth: setup.bandwidth.clone(),
             bandwidth_seen: 0,
+            gpu,
+            gpu_pages: Vec::new(),
             records: 0,
             zero_pages: 0,
-        }
+        })
     }
 
     /// Encodes a batch into complete frames appended to `out`; returns the
     /// records written.
-    pub fn encode(&mut self, batch: &Batch, out: &mut Vec<u8>) -> u64 {
+    pub fn encode(&mut self, batch: &Batch, out: &mut Vec<u8>) -> Result<u64, GpuError> {
         if batch.by_reference {
-            return self.encode_by_reference(batch, out);
+            return Ok(self.encode_by_reference(batch, out));
+        }
+        if self.gpu.is_some() && !batch.repair {
+            return self.encode_on_gpu(batch, out);
         }
         let bw = self.bandwidth.load(Ordering::Relaxed);
         if bw != self.bandwidth_seen {
@@ -293,7 +332,49 @@ impl ShardEncoder {
             self.flush_frame(batch.repair, out);
         }
         self.records += records;
-        records
+        Ok(records)
+    }
+
+    /// `--gpu`: the whole batch's records come from the GPU, byte for byte
+    /// what the CPU codecs would make (the destination decodes them on its
+    /// CPU). Pages the kernel never backed were not read: they are zeroed
+    /// here so the GPU sees what the guest would.
+    fn encode_on_gpu(&mut self, batch: &Batch, out: &mut Vec<u8>) -> Result<u64, GpuError> {
+        let mut pages = &batch.pages[..batch.len() * PAGE_SIZE];
+        if batch.populated.contains(&false) {
+            self.gpu_pages.clear();
+            self.gpu_pages.extend_from_slice(pages);
+            for (i, _) in batch.populated.iter().enumerate().filter(|(_, &populated)| !populated) {
+                self.gpu_pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].fill(0);
+            }
+            pages = &self.gpu_pages;
+        }
+        let gpu = self.gpu.as_mut().expect("called with a GPU");
+        let records = gpu.encode_batch(pages, &batch.indices)?;
+        self.builder.reset(batch.iteration, self.shard);
+        for i in 0..records.len() {
+            let (index, tag, bytes) = records.record(i);
+            self.encoder.count_record(tag, bytes.len());
+            let encoding = match tag {
+                tsubame_codec::TAG_RAW => Encoding::Raw,
+                tsubame_codec::TAG_ZERO => {
+                    self.zero_pages += 1;
+                    Encoding::Zero
+                }
+                tag => Encoding::from_codec_tag(tag),
+            };
+            self.builder.push(index, encoding, bytes);
+            if self.builder.len() as usize == RECORDS_PER_FRAME {
+                self.flush_frame(false, out);
+                self.builder.reset(batch.iteration, self.shard);
+            }
+        }
+        if !self.builder.is_empty() {
+            self.flush_frame(false, out);
+        }
+        let records = records.len() as u64;
+        self.records += records;
+        Ok(records)
     }
 
     /// `--zero-copy`: appends, per frame, its header, the PAGES header and
@@ -448,6 +529,9 @@ pub enum PipelineError {
         #[source]
         source: std::io::Error,
     },
+    /// The GPU failed to encode a batch.
+    #[error("GPU encoding failed")]
+    Gpu(#[from] GpuError),
     /// A stage thread is gone (it failed first: see the other error).
     #[error("a pipeline stage stopped")]
     Stopped,
@@ -526,11 +610,16 @@ pub struct EngineSetup {
 
 impl Engine {
     /// Starts the stages over `writers` (one per channel).
-    pub fn start(setup: &EngineSetup, encoder: &EncoderSetup, writers: Vec<Writer>, pacer: Arc<Pacer>) -> Engine {
+    pub fn start(
+        setup: &EngineSetup,
+        encoder: &EncoderSetup,
+        writers: Vec<Writer>,
+        pacer: Arc<Pacer>,
+    ) -> Result<Engine, PipelineError> {
         let layout = encoder.layout;
         let batch_pages = layout.batch_pages as usize;
         let writers: Vec<_> = writers.into_iter().map(|w| Arc::new(Mutex::new(w))).collect();
-        let encoders: Vec<ShardEncoder> = (0..layout.shards).map(|s| ShardEncoder::new(s, encoder)).collect();
+        let encoders = (0..layout.shards).map(|s| ShardEncoder::new(s, encoder)).collect::<Result<Vec<_>, _>>()?;
         let live = Arc::new(LiveBusy { since: Mutex::new(Some(Instant::now())), ..Default::default() });
         let threads = if setup.pipelined { (layout.shards as u32, layout.channels as u32) } else { (1, 1) };
         let mode = if !setup.pipelined {
@@ -606,7 +695,7 @@ impl Engine {
             }
             Mode::Threads { to_encoders, free_batches: free_rx, done: done_rx, encoders: handles, senders }
         };
-        Engine {
+        Ok(Engine {
             layout,
             pacer,
             live,
@@ -616,7 +705,7 @@ impl Engine {
             fetch: StageStats::named("fetch"),
             fetch_samples: 0,
             mode,
-        }
+        })
     }
 
     /// The layout of shards and channels.
@@ -644,7 +733,7 @@ impl Engine {
         if let Mode::Threads { done, .. } = &self.mode {
             let deadline = Instant::now() + Duration::from_secs(2);
             while let Ok(result) = done.recv_deadline(deadline) {
-                if let Err(e @ PipelineError::Write { .. }) = result {
+                if let Err(e @ (PipelineError::Write { .. } | PipelineError::Gpu(_))) = result {
                     return e;
                 }
             }
@@ -683,11 +772,12 @@ impl Engine {
                 out.clear();
                 let shard = batch.shard;
                 let by_reference = batch.by_reference;
-                records[layout.channel(shard) as usize] += encoders[shard as usize].encode(&batch, out);
+                let encoded = encoders[shard as usize].encode(&batch, out);
                 encode.busy_seconds += start.elapsed().as_secs_f64();
                 add_busy(&self.live.encode, start.elapsed());
                 encode.items += 1;
                 *slot = Some(batch);
+                records[layout.channel(shard) as usize] += encoded?;
                 let start = Instant::now();
                 let channel = layout.channel(shard);
                 let mut writer = self.writers[channel as usize].lock().unwrap();
@@ -742,7 +832,7 @@ impl Engine {
                 for _ in 0..self.layout.channels {
                     match done.recv() {
                         Ok(Ok(records)) if ended => total += records,
-                        Ok(Err(e @ PipelineError::Write { .. })) => return Err(e),
+                        Ok(Err(e @ (PipelineError::Write { .. } | PipelineError::Gpu(_)))) => return Err(e),
                         _ => ended = false,
                     }
                     if !ended {
@@ -853,12 +943,19 @@ impl EncodeLoop {
                     stats.wait_output_seconds += start.elapsed().as_secs_f64();
                     let start = Instant::now();
                     out.clear();
-                    records += encoder.encode(&batch, &mut out);
+                    let encoded = encoder.encode(&batch, &mut out);
                     stats.busy_seconds += start.elapsed().as_secs_f64();
                     add_busy(&self.live.encode, start.elapsed());
                     stats.items += 1;
                     let item = if batch.by_reference { ToSender::ZeroCopy(out) } else { ToSender::Frames(out) };
                     let _ = self.free_batches.send(batch);
+                    match encoded {
+                        Ok(n) => records += n,
+                        Err(e) => {
+                            let _ = self.done.send(Err(e.into()));
+                            break;
+                        }
+                    }
                     stats.sample_queue(self.output.len(), &mut samples);
                     let start = Instant::now();
                     if self.output.send(item).is_err() {

@@ -251,8 +251,9 @@ impl SourceRun<'_> {
             pages_total: self.stats.pages_total,
             layout,
             bandwidth: self.bandwidth.clone(),
+            gpu: options.gpu,
         };
-        self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer));
+        self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer)?);
 
         self.precopy()?;
         let mut reader = self.reader.take().expect("set above");

@@ -230,6 +230,26 @@ fn zero_copy_sends_verify_under_concurrent_writes() {
 }
 
 #[test]
+fn gpu_path_on_the_kernel_emulator_migrates_and_verifies() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // The GPU kernels compiled for the host, through the pipeline's GPU
+    // path; the destination decodes the records with the CPU codecs.
+    for channels in [1, 2] {
+        let options = MigrateOptions {
+            gpu: Some(tsubame_migrate::GpuOffload::Emulator),
+            channels,
+            encode_threads: 2,
+            codecs: "zero,xbzrle=16M,dedup=4M,rle".parse().unwrap(),
+            ..Default::default()
+        };
+        let stats = migrate_workload("workload=kv wss=32M", options);
+        assert!(stats.codec.get("xbzrle").is_some_and(|c| c.pages > 0), "{:?}", stats.codec);
+    }
+}
+
+#[test]
 fn zero_copy_refuses_what_it_cannot_do() {
     let options = MigrateOptions { zero_copy: true, codecs: "zero,xbzrle".parse().unwrap(), ..Default::default() };
     assert!(options.check().unwrap_err().contains("--zero-copy"));
