@@ -379,8 +379,8 @@ impl ShardEncoder {
 
     /// `--zero-copy`: appends, per frame, its header, the PAGES header and
     /// the record headers, without the pages, which [`ZeroCopySender`]
-    /// splices in from guest memory. Pages the kernel never backed are zero
-    /// records; every other page goes raw (zero detection would read it).
+    /// splices in from guest memory. Pages fetch found zero (never backed,
+    /// or all zeros in place) are zero records; every other page goes raw.
     fn encode_by_reference(&mut self, batch: &Batch, out: &mut Vec<u8>) -> u64 {
         for (frame, indices) in batch.indices.chunks(RECORDS_PER_FRAME).enumerate() {
             self.builder.reset(batch.iteration, self.shard);

@@ -422,7 +422,8 @@ impl SourceRun<'_> {
                     let offset = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
                     let index = first_page + offset as u64;
-                    let backed = populated[offset] || !zero_records;
+                    // A zero page costs a check in place, not a copy.
+                    let backed = !zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
                     if backed && !batch.by_reference {
                         memory::read_page(vm.memory(), index, batch.next_slot()).map_err(tsubame_vmm::VmError::from)?;
                     }

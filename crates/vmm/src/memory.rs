@@ -84,6 +84,23 @@ pub fn read_page(mem: &GuestMemory, index: u64, out: &mut [u8; PAGE_SIZE]) -> Re
     mem.read_slice(out, GuestAddress(addr)).map_err(|_| MemoryError::OutOfRange { addr, len: PAGE_SIZE })
 }
 
+/// True when page `index` reads as all zeros, checked in place without
+/// copying it out. The guest may be writing the page meanwhile: migration
+/// clears its dirty bit first, so a racing write dirties it again.
+pub fn page_is_zero(mem: &GuestMemory, index: u64) -> bool {
+    if index >= page_count(mem) {
+        return false;
+    }
+    let page = host_address(mem, index * PAGE_SIZE as u64).cast::<[u64; 8]>().cast_const();
+    (0..PAGE_SIZE / 64).all(|i| {
+        // SAFETY: the page lies inside one mapping of `mem` (index checked
+        // above; guest memory is page-aligned), so every 64-byte chunk is
+        // readable; volatile reads because the guest writes it concurrently.
+        let chunk = unsafe { std::ptr::read_volatile(page.add(i)) };
+        chunk.iter().fold(0, |acc, w| acc | w) == 0
+    })
+}
+
 /// Copies bytes into guest memory at `addr`.
 pub fn write(mem: &GuestMemory, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
     mem.write_slice(data, GuestAddress(addr)).map_err(|_| MemoryError::OutOfRange { addr, len: data.len() })
