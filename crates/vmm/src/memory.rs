@@ -41,14 +41,20 @@ pub fn create(bytes: u64, hugepages: bool) -> Result<GuestMemory, MemoryError> {
     }
     let mem = GuestMemory::from_ranges(&[(GuestAddress(0), bytes as usize)]).map_err(|e| MemoryError::Map(bytes, e))?;
     if hugepages {
-        for region in mem.iter() {
-            let host = host_address(&mem, region.start_addr().0);
-            // SAFETY: the range is exactly one mapping owned by `mem`, and
-            // MADV_HUGEPAGE only changes how the kernel backs it.
-            unsafe { libc::madvise(host.cast(), region.len() as usize, libc::MADV_HUGEPAGE) };
-        }
+        advise_hugepages(&mem);
     }
     Ok(mem)
+}
+
+/// Asks for transparent huge pages behind guest memory from now on (pages
+/// already backed stay as they are until khugepaged collapses them).
+pub fn advise_hugepages(mem: &GuestMemory) {
+    for region in mem.iter() {
+        let host = host_address(mem, region.start_addr().0);
+        // SAFETY: the range is exactly one mapping owned by `mem`, and
+        // MADV_HUGEPAGE only changes how the kernel backs it.
+        unsafe { libc::madvise(host.cast(), region.len() as usize, libc::MADV_HUGEPAGE) };
+    }
 }
 
 /// Size of guest memory in bytes.
