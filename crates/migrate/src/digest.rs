@@ -1,44 +1,146 @@
 //! Per-region hashes of guest memory: the source sends them at
 //! stop-and-copy, the destination compares before it says READY.
 
-use tsubame_vmm::{memory, GuestMemory};
+use tsubame_vmm::{memory, GuestMemory, PAGE_SIZE as PAGE};
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Default region size: 1 MiB (16 KiB of hashes per GiB).
-pub const DEFAULT_REGION: u32 = 1 << 20;
+/// Default region size: 256 KiB (32 KiB of hashes per GiB). Small enough
+/// that a few scattered dirty pages cost little re-hashing (see
+/// [`IncrementalDigest`]).
+pub const DEFAULT_REGION: u32 = 256 << 10;
 
-/// xxh3 of each `region`-byte slice of guest memory, in order. Runs on
-/// `threads` threads; the VM must not be running. Regions the kernel never
-/// populated are zeros: their hash is computed once, not read.
+/// The hash of each `region`-byte slice of guest memory, in order: xxh3
+/// over the xxh3 of each of its pages (little-endian u64s), so that a
+/// changed page costs hashing one page again, not its whole region. Runs
+/// on `threads` threads; the VM must not be running. Pages the kernel
+/// never populated are zeros: their hash is known, not read.
 pub fn memory_digest(mem: &GuestMemory, region: u32, threads: usize) -> Vec<u64> {
-    let size = memory::size(mem);
-    let pagemap = memory::Pagemap::open().ok();
-    let zero_hash = xxh3_64(&vec![0u8; region as usize]);
-    let pagemap = &pagemap;
-    let count = size.div_ceil(region as u64) as usize;
-    let mut hashes = vec![0u64; count];
-    let threads = threads.clamp(1, count.max(1));
-    let per_thread = count.div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (t, chunk) in hashes.chunks_mut(per_thread).enumerate() {
-            scope.spawn(move || {
-                let mut buf = vec![0u8; region as usize];
-                for (i, slot) in chunk.iter_mut().enumerate() {
-                    let start = ((t * per_thread + i) as u64) * region as u64;
-                    let len = (size - start).min(region as u64) as usize;
-                    let unpopulated =
-                        pagemap.as_ref().is_some_and(|p| p.unpopulated(mem, start, len as u64).unwrap_or(false));
-                    *slot = if unpopulated && len == region as usize {
-                        zero_hash
-                    } else {
-                        memory::read(mem, start, &mut buf[..len]).expect("region inside guest memory");
-                        xxh3_64(&buf[..len])
-                    };
-                }
-            });
+    let mut digest = IncrementalDigest::new(mem, region);
+    digest.refresh(mem, threads);
+    digest.regions
+}
+
+/// The source's digest, kept up to date while pre-copy runs, so that
+/// stop-and-copy hashes only the last dirty pages instead of all memory
+/// while the guest is paused.
+///
+/// A page is hashed after an iteration sent it (its dirty bit cleared and
+/// the page read first). A guest write after that read sets the dirty bit
+/// again, so the page is in a later iteration's dirty set, or in the final
+/// one, and is hashed again then.
+pub struct IncrementalDigest {
+    region: u32,
+    /// Per page.
+    pages: Vec<u64>,
+    /// Per page: to hash again.
+    stale_pages: Vec<bool>,
+    /// Per region: over its pages' hashes.
+    regions: Vec<u64>,
+    /// Per region: some page of it is stale.
+    stale_regions: Vec<bool>,
+}
+
+impl IncrementalDigest {
+    /// Every page stale: the first [`IncrementalDigest::refresh`] hashes all.
+    pub fn new(mem: &GuestMemory, region: u32) -> IncrementalDigest {
+        let pages = memory::page_count(mem) as usize;
+        let regions = memory::size(mem).div_ceil(region as u64) as usize;
+        IncrementalDigest {
+            region,
+            pages: vec![0; pages],
+            stale_pages: vec![true; pages],
+            regions: vec![0; regions],
+            stale_regions: vec![true; regions],
         }
-    });
-    hashes
+    }
+
+    fn pages_per_region(&self) -> usize {
+        (self.region as usize / PAGE).max(1)
+    }
+
+    /// Marks the pages set in `dirty` (one bit per page).
+    pub fn mark(&mut self, dirty: &[u64]) {
+        let per_region = self.pages_per_region();
+        for (w, &word) in dirty.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let page = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Some(mark) = self.stale_pages.get_mut(page) {
+                    *mark = true;
+                    self.stale_regions[page / per_region] = true;
+                }
+            }
+        }
+    }
+
+    /// Hashes the marked pages and their regions on `threads` threads;
+    /// returns how many pages it hashed.
+    pub fn refresh(&mut self, mem: &GuestMemory, threads: usize) -> usize {
+        let per_region = self.pages_per_region();
+        let count = self.regions.len();
+        let threads = threads.clamp(1, count.max(1));
+        let regions_per_thread = count.div_ceil(threads);
+        let pagemap = memory::Pagemap::open().ok();
+        let pagemap = &pagemap;
+        let zero_page = xxh3_64(&[0u8; PAGE]);
+        let hashed = std::sync::atomic::AtomicUsize::new(0);
+        let hashed_ref = &hashed;
+        let chunks = self
+            .regions
+            .chunks_mut(regions_per_thread)
+            .zip(self.stale_regions.chunks_mut(regions_per_thread))
+            .zip(self.pages.chunks_mut(regions_per_thread * per_region))
+            .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region));
+        std::thread::scope(|scope| {
+            for (t, (((regions, stale_regions), pages), stale_pages)) in chunks.enumerate() {
+                if !stale_regions.contains(&true) {
+                    continue;
+                }
+                scope.spawn(move || {
+                    let mut page = [0u8; PAGE];
+                    let mut populated = vec![true; per_region];
+                    let mut combined = Vec::with_capacity(per_region * 8);
+                    let mut n = 0;
+                    for (r, (hash, stale)) in regions.iter_mut().zip(stale_regions.iter_mut()).enumerate() {
+                        if !std::mem::take(stale) {
+                            continue;
+                        }
+                        let first = r * per_region;
+                        let last = (first + per_region).min(pages.len());
+                        let first_page = (t * regions_per_thread * per_region + first) as u64;
+                        let populated = &mut populated[..last - first];
+                        if pagemap.as_ref().is_none_or(|p| p.populated(mem, first_page, populated).is_err()) {
+                            populated.fill(true);
+                        }
+                        for i in first..last {
+                            if !std::mem::take(&mut stale_pages[i]) {
+                                continue;
+                            }
+                            pages[i] = if populated[i - first] {
+                                memory::read_page(mem, first_page + (i - first) as u64, &mut page)
+                                    .expect("page inside guest memory");
+                                xxh3_64(&page)
+                            } else {
+                                zero_page
+                            };
+                            n += 1;
+                        }
+                        combined.clear();
+                        combined.extend(pages[first..last].iter().flat_map(|h| h.to_le_bytes()));
+                        *hash = xxh3_64(&combined);
+                    }
+                    hashed_ref.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                });
+            }
+        });
+        hashed.into_inner()
+    }
+
+    /// The region hashes (valid after a refresh with the guest paused).
+    pub fn hashes(&self) -> &[u64] {
+        &self.regions
+    }
 }
 
 /// Encodes a DIGEST payload: region size, count, hashes.
@@ -128,6 +230,25 @@ mod tests {
         assert_eq!(compare(&encode(1 << 20, &before), 1 << 20, &after).unwrap(), vec![5]);
         assert!(compare(&encode(1 << 20, &before[..3]), 1 << 20, &after).is_err());
         assert!(compare(&encode(1 << 19, &before), 1 << 20, &after).is_err());
+    }
+
+    #[test]
+    fn incremental_digest_matches_a_full_one() {
+        let mem = memory::create(16 << 20, false).unwrap();
+        memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
+        let mut incremental = IncrementalDigest::new(&mem, 256 << 10);
+        assert_eq!(incremental.refresh(&mem, 2), 4096);
+        assert_eq!(incremental.hashes(), memory_digest(&mem, 256 << 10, 1));
+        // Pages 1000 and 4095 change: only their regions are hashed again.
+        memory::write(&mem, 1000 * 4096, &[1]).unwrap();
+        memory::write(&mem, 4095 * 4096 + 17, &[2]).unwrap();
+        let mut dirty = vec![0u64; 4096 / 64];
+        dirty[1000 / 64] |= 1 << (1000 % 64);
+        dirty[4095 / 64] |= 1 << (4095 % 64);
+        incremental.mark(&dirty);
+        assert_eq!(incremental.refresh(&mem, 2), 2);
+        assert_eq!(incremental.hashes(), memory_digest(&mem, 256 << 10, 2));
+        assert_eq!(incremental.refresh(&mem, 2), 0);
     }
 
     #[test]

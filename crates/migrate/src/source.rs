@@ -87,6 +87,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         reader: None,
         engine: None,
         bandwidth: Arc::new(AtomicU64::new(0)),
+        digest: None,
     };
     progress.update(|p| {
         p.phase = "setup".into();
@@ -168,6 +169,8 @@ struct SourceRun<'a> {
     engine: Option<Engine>,
     /// Measured link bandwidth for the codecs' payoff checks (f64 bits).
     bandwidth: Arc<AtomicU64>,
+    /// The memory digest, hashed as pages go rather than during downtime.
+    digest: Option<digest::IncrementalDigest>,
 }
 
 impl SourceRun<'_> {
@@ -333,6 +336,7 @@ impl SourceRun<'_> {
                 p.iteration = iteration;
             });
             let it = self.send_dirty(&bitmap, iteration)?;
+            self.refresh_digest(&bitmap);
             // Iteration 0 also carries never-touched memory (cheap zero
             // records), which says nothing about what the guest dirties:
             // estimate later rounds from later rounds only.
@@ -379,6 +383,18 @@ impl SourceRun<'_> {
                 return Ok(());
             }
         }
+    }
+
+    /// Hashes the regions of the pages just sent (all memory the first
+    /// time), on every core: the guest runs meanwhile, except in
+    /// stop-and-copy.
+    fn refresh_digest(&mut self, sent: &[u64]) {
+        let vm = self.vm;
+        let digest =
+            self.digest.get_or_insert_with(|| digest::IncrementalDigest::new(vm.memory(), self.options.digest_region));
+        digest.mark(sent);
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        digest.refresh(vm.memory(), threads);
     }
 
     /// Each stage's busy share so far, for the progress bar.
@@ -485,8 +501,9 @@ impl SourceRun<'_> {
         let blob = vm.state_blob()?;
         self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let hashes = digest::memory_digest(vm.memory(), self.options.digest_region, threads);
+        // Only the regions of the last pages need hashing now.
+        self.refresh_digest(&pending);
+        let hashes = self.digest.take().expect("pre-copy hashed memory").hashes().to_vec();
         let digest_payload = digest::encode(self.options.digest_region, &hashes);
         self.write_control(FrameKind::Digest, &digest_payload)?;
         self.stats.bytes_on_wire = self.engine().bytes();

@@ -37,3 +37,64 @@ fn memory_above_the_cap_is_refused() {
     let err = receive_stream(&mut input, &mut Vec::new(), &mut landing, &ReceiveOptions::default()).unwrap_err();
     assert!(err.to_string().contains("exceed"), "{err}");
 }
+
+/// Records the seed anew (after a change to what the stream carries):
+/// `TSUBAME_RECORD_SEED=1 cargo test --release -p tsubame-migrate --test
+/// receive_stream -- record_seed`. An 8 MiB VM running `idle`, every page
+/// codec, one channel; the source's bytes are captured on their way to a
+/// destination landing in plain memory.
+#[test]
+fn record_seed() {
+    use std::io::{Read, Write};
+    use tsubame_migrate::destination::receive_into;
+    use tsubame_migrate::transport::{Address, Listener, Stream};
+    use tsubame_migrate::{source, MigrateOptions, ProgressCell};
+    if std::env::var_os("TSUBAME_RECORD_SEED").is_none() || !tsubame_vmm::kvm::kvm_tests_enabled() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tsubame-seed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let to_proxy = Address::Unix(dir.join("proxy.sock"));
+    let to_dest = Address::Unix(dir.join("dest.sock"));
+    let proxy_listener = Listener::bind(&to_proxy).unwrap();
+    let dest_listener = Listener::bind(&to_dest).unwrap();
+    let dest = std::thread::spawn(move || {
+        let mut landing = MemoryLanding { max_bytes: 32 << 20, memory: None, started: false };
+        let stream = dest_listener.accept().unwrap();
+        receive_into(stream, None, &ReceiveOptions::default(), &|_| {}, &mut landing).map(|_| landing.started)
+    });
+    let proxy = std::thread::spawn(move || {
+        let mut from_source = proxy_listener.accept().unwrap();
+        let mut to_destination = Stream::connect(&to_dest, std::time::Duration::from_secs(5)).unwrap();
+        let (mut back_from, mut back_to) = (to_destination.try_clone().unwrap(), from_source.try_clone().unwrap());
+        let back = std::thread::spawn(move || std::io::copy(&mut back_from, &mut back_to));
+        let mut recorded = Vec::new();
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = from_source.read(&mut buf) {
+            recorded.extend_from_slice(&buf[..n]);
+            if to_destination.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        to_destination.shutdown();
+        let _ = back.join();
+        recorded
+    });
+    let mut vm = tsubame_vmm::Vm::create(&tsubame_vmm::VmConfig { memory_bytes: 8 << 20, hugepages: false }).unwrap();
+    let cmdline = format!("workload=idle tsc_khz={}", vm.tsc_khz());
+    vm.load_guest(tsubame_vmm::guest_elf::GUEST_ELF, &cmdline).unwrap();
+    vm.start(false).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let options = MigrateOptions {
+        codecs: "zero,rle,xbzrle=1M,dedup=1M,lz4".parse().unwrap(),
+        encode_threads: 1,
+        ..Default::default()
+    };
+    let stats = source::migrate(&vm, &to_proxy, &options, &ProgressCell::default());
+    assert_eq!(stats.status, "completed", "{:?}", stats.error);
+    assert!(dest.join().unwrap().unwrap());
+    let recorded = proxy.join().unwrap();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/receiver/migration-8M-idle-codecs");
+    std::fs::write(path, &recorded).unwrap();
+    println!("recorded {} bytes into {path}", recorded.len());
+}
