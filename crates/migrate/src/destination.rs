@@ -646,6 +646,11 @@ impl<'a> StreamReceiver<'a> {
                 for r in readers {
                     let _ = r.join();
                 }
+                // Their queues closed with the readers: no decoder outlives
+                // a failed migration (still holding its memory).
+                for w in workers {
+                    let _ = w.join();
+                }
                 return Err(e);
             }
         };
@@ -659,8 +664,14 @@ impl<'a> StreamReceiver<'a> {
         }
         landing.start()?;
         (self.log)("committed; the VM runs here now");
-        drop(readers); // they end when the source closes its channels
-        drop(workers);
+        if readers.is_empty() {
+            for w in workers {
+                let _ = w.join();
+            }
+        }
+        // Otherwise readers and decoders end when the source closes its
+        // channels; nothing waits for that.
+        drop(readers);
         Ok(self.iterations)
     }
 
