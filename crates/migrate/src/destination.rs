@@ -216,6 +216,81 @@ fn unpack(frame: &[u8], decompressor: &mut BatchDecompressor, out: &mut Vec<u8>)
 /// Times a destination asks for mismatched regions before giving up.
 const MAX_REPAIR_ROUNDS: u32 = 2;
 
+/// One bit per guest page, set by the decoders.
+struct PageMarks {
+    /// Ever written: a zero record for an untouched page writes nothing.
+    touched: Vec<AtomicU64>,
+    /// Written since the digest last hashed them; set after the write.
+    written: Vec<AtomicU64>,
+}
+
+impl PageMarks {
+    fn new(pages: u64) -> PageMarks {
+        let words = || (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        PageMarks { touched: words(), written: words() }
+    }
+
+    /// Takes the `written` bits (clearing them) for the digest.
+    fn take_written(&self) -> Vec<u64> {
+        self.written.iter().map(|w| w.swap(0, Ordering::AcqRel)).collect()
+    }
+}
+
+/// The destination's digest, hashed in the background as pages land, so
+/// that after STATE only the last pages need hashing before READY. A page
+/// is marked after it is written and its mark taken before it is hashed:
+/// a write that lands during or after the hashing leaves its mark for the
+/// next round.
+struct BackgroundDigest {
+    region: u32,
+    requests: Sender<Option<Sender<Vec<u64>>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BackgroundDigest {
+    fn start(mem: Arc<GuestMemory>, region: u32, marks: Arc<PageMarks>) -> BackgroundDigest {
+        let (requests, rx) = bounded::<Option<Sender<Vec<u64>>>>(1);
+        let thread = std::thread::Builder::new()
+            .name("digest".into())
+            .spawn(move || {
+                let mut digest = digest::IncrementalDigest::new(&mem, region);
+                let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+                while let Ok(request) = rx.recv() {
+                    digest.mark(&marks.take_written());
+                    digest.refresh(&mem, if request.is_some() { threads } else { 1 });
+                    if let Some(reply) = request {
+                        let _ = reply.send(digest.hashes().to_vec());
+                    }
+                }
+            })
+            .expect("spawn digest thread");
+        BackgroundDigest { region, requests, thread: Some(thread) }
+    }
+
+    /// Hashes what landed so far, unless a round is already under way.
+    fn nudge(&self) {
+        let _ = self.requests.try_send(None);
+    }
+
+    /// Every landed page hashed: the digest now (call with the pages
+    /// applied and none in flight).
+    fn hashes(&self) -> Vec<u64> {
+        let (tx, rx) = bounded(1);
+        self.requests.send(Some(tx)).expect("digest thread runs");
+        rx.recv().expect("digest thread answers")
+    }
+}
+
+impl Drop for BackgroundDigest {
+    fn drop(&mut self) {
+        let (dead, _) = bounded(1);
+        self.requests = dead;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// Writes the records of a PAGES frame into guest memory. `touched` marks
 /// pages ever written: a zero record for an untouched page writes nothing,
 /// so fresh memory stays unbacked. Codec records are decoded, and the
@@ -224,14 +299,14 @@ fn apply_pages(
     frame: &[u8],
     mem: &GuestMemory,
     granularity: usize,
-    touched: &[AtomicU64],
+    marks: &PageMarks,
     decoder: &mut PageDecoder,
 ) -> Result<(), ReceiveError> {
     let page_count = memory::page_count(mem);
     let zero_page = [0u8; PAGE_SIZE];
     let mut page = [0u8; PAGE_SIZE];
     for_each_record(frame, page_count, granularity, |record| {
-        let word = &touched[(record.page_index / 64) as usize];
+        let word = &marks.touched[(record.page_index / 64) as usize];
         let bit = 1u64 << (record.page_index % 64);
         let index = record.page_index;
         let addr = index * PAGE_SIZE as u64;
@@ -269,6 +344,9 @@ fn apply_pages(
                 memory::write(mem, addr, &page)
             }
         };
+        if result.is_ok() {
+            marks.written[(index / 64) as usize].fetch_or(bit, Ordering::Release);
+        }
         result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
     })?;
     Ok(())
@@ -592,7 +670,7 @@ impl<'a> StreamReceiver<'a> {
             shared.streams.lock().unwrap().push(source.first.try_clone()?);
         }
         let page_count = memory::page_count(&mem);
-        let touched: Arc<Vec<AtomicU64>> = Arc::new((0..page_count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect());
+        let marks = Arc::new(PageMarks::new(page_count));
         let shard_list = crate::pipeline::shard_codecs(&codecs, hello.shards);
         let granularity = hello.granularity as usize;
         let mut to_shards = Vec::new();
@@ -603,7 +681,7 @@ impl<'a> StreamReceiver<'a> {
                 shard,
                 mem: mem.clone(),
                 granularity,
-                touched: touched.clone(),
+                marks: marks.clone(),
                 decoder: PageDecoder::new(&shard_list),
                 shared: shared.clone(),
             };
@@ -636,7 +714,9 @@ impl<'a> StreamReceiver<'a> {
         }
         let main = dispatcher(0);
         drop(to_shards);
-        let result = self.receive_memory(reader, writer, &main, &shared, &mem, hello.digest_region);
+        let digest = BackgroundDigest::start(mem.clone(), hello.digest_region, marks.clone());
+        let result = self.receive_memory(reader, writer, &main, &shared, &digest);
+        drop(digest);
         shared.done.store(true, Ordering::Release);
         drop(main);
         let state = match result {
@@ -683,8 +763,7 @@ impl<'a> StreamReceiver<'a> {
         writer: &mut impl Write,
         main: &Dispatcher,
         shared: &Shared,
-        mem: &Arc<GuestMemory>,
-        region: u32,
+        digest: &BackgroundDigest,
     ) -> Result<Vec<u8>, ReceiveError> {
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
@@ -696,6 +775,7 @@ impl<'a> StreamReceiver<'a> {
                 FrameKind::IterationEnd => {
                     last_iteration = Some(main.end(&self.frame).map_err(with_failure)?);
                     self.iterations += 1;
+                    digest.nudge();
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame),
                 other => {
@@ -706,17 +786,11 @@ impl<'a> StreamReceiver<'a> {
         let Some(final_iteration) = last_iteration else {
             return Err(WireError::Unexpected { got: FrameKind::State, expected: "ITERATION_END" }.into());
         };
-        // Every channel's last pages are applied before memory is hashed.
+        // Every channel's last pages are applied before memory is hashed;
+        // most of it was hashed already as it landed.
         shared.wait_applied(final_iteration)?;
-        // STATE ends the pages: hash our memory while the source hashes its own.
-        let hash_mem = mem.clone();
-        let hasher = std::thread::spawn(move || {
-            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            digest::memory_digest(&hash_mem, region, threads)
-        });
-        let next = self.next(reader);
-        let mut ours = hasher.join().expect("digest thread");
-        match next? {
+        let mut ours = digest.hashes();
+        match self.next(reader)? {
             FrameKind::Digest => {}
             other => return Err(WireError::Unexpected { got: other, expected: "DIGEST" }.into()),
         }
@@ -725,13 +799,13 @@ impl<'a> StreamReceiver<'a> {
         let mut rounds = 0;
         let mut repair_iteration = final_iteration;
         loop {
-            let mismatched = digest::compare(&self.frame, region, &ours)?;
+            let mismatched = digest::compare(&self.frame, digest.region, &ours)?;
             let Some(&first) = mismatched.first() else { break };
             if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > digest::MAX_MISMATCH {
                 return Err(ReceiveError::DigestMismatch {
                     count: mismatched.len(),
                     total: ours.len(),
-                    first: first as u64 * region as u64,
+                    first: first as u64 * digest.region as u64,
                 });
             }
             rounds += 1;
@@ -747,8 +821,7 @@ impl<'a> StreamReceiver<'a> {
                 }
             }
             shared.wait_applied(repair_iteration)?;
-            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            ours = digest::memory_digest(mem, region, threads);
+            ours = digest.hashes();
         }
         Ok(state)
     }
@@ -782,7 +855,7 @@ struct ShardWorker {
     shard: u16,
     mem: Arc<GuestMemory>,
     granularity: usize,
-    touched: Arc<Vec<AtomicU64>>,
+    marks: Arc<PageMarks>,
     decoder: PageDecoder,
     shared: Arc<Shared>,
 }
@@ -796,10 +869,10 @@ impl ShardWorker {
                 ShardWork::Frame { kind, payload, pool } => {
                     let r = if kind == FrameKind::PagesCompressed {
                         unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| {
-                            apply_pages(&unpacked, &self.mem, self.granularity, &self.touched, &mut self.decoder)
+                            apply_pages(&unpacked, &self.mem, self.granularity, &self.marks, &mut self.decoder)
                         })
                     } else {
-                        apply_pages(&payload, &self.mem, self.granularity, &self.touched, &mut self.decoder)
+                        apply_pages(&payload, &self.mem, self.granularity, &self.marks, &mut self.decoder)
                     };
                     let _ = pool.send(payload);
                     r
