@@ -46,6 +46,8 @@ pub struct MigrateOptions {
     pub buffers: usize,
     /// Parallel connections.
     pub channels: u16,
+    /// How every connection is protected (pre-shared key, or plain).
+    pub security: crate::transport::Security,
 }
 
 /// Default encode threads: every core but one (which fetches and sends).
@@ -110,6 +112,7 @@ impl Default for MigrateOptions {
             encode_threads: default_encode_threads(),
             buffers: 3,
             channels: 1,
+            security: Default::default(),
         }
     }
 }
