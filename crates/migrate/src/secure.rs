@@ -251,15 +251,16 @@ impl Sealer {
     pub fn write_all(&mut self, w: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
         for chunk in data.chunks(MAX_RECORD) {
             let len = (chunk.len() + TAG_LEN) as u32;
+            // Sealed in place in one reused buffer: no allocation per record.
             self.buf.clear();
             self.buf.extend_from_slice(&len.to_le_bytes());
             self.buf.extend_from_slice(chunk);
-            let mut body = self.buf.split_off(4);
-            self.key
-                .seal_in_place_append_tag(nonce(self.seq), Aad::from(len.to_le_bytes()), &mut body)
+            let tag = self
+                .key
+                .seal_in_place_separate_tag(nonce(self.seq), Aad::from(len.to_le_bytes()), &mut self.buf[4..])
                 .map_err(|_| std::io::Error::other("sealing failed"))?;
             self.seq += 1;
-            self.buf.extend_from_slice(&body);
+            self.buf.extend_from_slice(tag.as_ref());
             w.write_all(&self.buf)?;
         }
         Ok(())
