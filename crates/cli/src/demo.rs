@@ -108,6 +108,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         .arg(dir.join("destination.sock"))
         .arg("--memory")
         .arg(memory.to_string())
+        .args(args.flags.psk_file.iter().flat_map(|p| [std::ffi::OsStr::new("--psk-file"), p.as_os_str()]))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?)

@@ -302,13 +302,26 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(v) = request.get("abort_if_not_converged") {
         options.abort_if_not_converged = v.as_bool().ok_or("\"abort_if_not_converged\" must be true or false")?;
     }
+    if let Some(v) = request.get("insecure") {
+        options.security.insecure = v.as_bool().ok_or("\"insecure\" must be true or false")?;
+    }
+    match request.get("psk_file") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            let path = v.as_str().ok_or("\"psk_file\" must be a file path")?;
+            let psk = tsubame_migrate::secure::Psk::read(std::path::Path::new(path)).map_err(|e| e.to_string())?;
+            options.security.psk = Some(psk);
+        }
+    }
     options.check()?;
     Ok((to, options))
 }
 
 /// The request fields for `options`, the inverse of [`migrate_request`].
-pub fn migrate_request_fields(to: &Address, options: &MigrateOptions) -> Value {
+pub fn migrate_request_fields(to: &Address, options: &MigrateOptions, psk_file: Option<&std::path::Path>) -> Value {
     json!({
+        "psk_file": psk_file.map(|p| p.display().to_string()),
+        "insecure": options.security.insecure,
         "cmd": "migrate",
         "to": to.to_string(),
         "max_bandwidth": options.max_bandwidth,

@@ -7,7 +7,9 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
+use tsubame_migrate::secure::Psk;
 use tsubame_migrate::subpage::check_granularity;
+use tsubame_migrate::transport::Security;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
 
 use crate::control::ControlClient;
@@ -91,6 +93,14 @@ pub struct MigrateFlags {
     /// compiled for this CPU; slow, to test the GPU path without a GPU).
     #[arg(long, value_name = "BACKEND", default_value = "cuda", requires = "gpu")]
     pub gpu_backend: String,
+    /// Authenticate both ends and encrypt every channel with the
+    /// pre-shared key in FILE (at least 16 bytes; the destination needs
+    /// the same file). See docs/security.md.
+    #[arg(long, value_name = "FILE")]
+    pub psk_file: Option<PathBuf>,
+    /// Allow unencrypted TCP to a destination that is not on this host.
+    #[arg(long)]
+    pub insecure: bool,
     /// Write the migration statistics as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -137,11 +147,21 @@ impl MigrateFlags {
             pipeline: !self.no_pipeline,
             zero_copy: self.zero_copy,
             gpu: self.gpu().map_err(usage_error)?,
+            security: security(self.psk_file.as_deref(), self.insecure)?,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
         Ok(options)
     }
+}
+
+/// Reads `--psk-file` (a bad file is a usage error) into a [`Security`].
+pub fn security(psk_file: Option<&std::path::Path>, insecure: bool) -> anyhow::Result<Security> {
+    let psk = match psk_file {
+        Some(path) => Some(Psk::read(path).map_err(|e| usage_error(format!("--psk-file: {e}")))?),
+        None => None,
+    };
+    Ok(Security { psk, insecure })
 }
 
 /// Options of `tsubame migrate`.
@@ -294,7 +314,9 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         args.to.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?;
     let options = args.flags.options()?;
     let mut client = ControlClient::connect(&args.control)?;
-    client.request(&migrate_request_fields(&to, &options))?;
+    // The VM's process reads the key file: give it a path from anywhere.
+    let psk_file = args.flags.psk_file.as_deref().map(std::fs::canonicalize).transpose()?;
+    client.request(&migrate_request_fields(&to, &options, psk_file.as_deref()))?;
     let bar = progress_bar();
     let stats = loop {
         std::thread::sleep(Duration::from_millis(100));

@@ -34,8 +34,15 @@ pub struct ReceiveArgs {
     #[arg(long)]
     pub memory: Option<String>,
     /// Give up on a source that sends nothing for this many seconds.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, visible_alias = "io-timeout", default_value_t = 30)]
     pub timeout: u64,
+    /// Accept only sources that hold the pre-shared key in FILE; every
+    /// channel is authenticated and encrypted (docs/security.md).
+    #[arg(long, value_name = "FILE")]
+    pub psk_file: Option<PathBuf>,
+    /// Accept unencrypted TCP from sources that are not on this host.
+    #[arg(long)]
+    pub insecure: bool,
     /// Back guest memory with 4 KiB pages only.
     #[arg(long)]
     pub no_hugepages: bool,
@@ -85,8 +92,13 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     if args.timeout == 0 {
         return Err(usage_error("--timeout must be at least 1 second"));
     }
-    let options =
-        ReceiveOptions { expect_memory, io_timeout: Duration::from_secs(args.timeout), hugepages: !args.no_hugepages };
+    let security = crate::migrate_cmd::security(args.psk_file.as_deref(), args.insecure)?;
+    let options = ReceiveOptions {
+        expect_memory,
+        io_timeout: Duration::from_secs(args.timeout),
+        hugepages: !args.no_hugepages,
+        security,
+    };
     let listener = Listener::bind(&addr)?;
     if args.memory_only {
         return receive_memory_only(&listener, &options);
@@ -108,6 +120,14 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let incoming = loop {
         let Some(stream) = listener.accept_until(&|| control.quit.load(Ordering::Acquire))? else {
             return Ok(()); // quit before a VM arrived
+        };
+        let stream = match options.security.accepted(stream) {
+            Ok(stream) => stream,
+            Err(e) if args.once => return Err(anyhow::anyhow!("incoming migration refused: {e}")),
+            Err(e) => {
+                eprintln!("tsubame: incoming migration refused: {e}; waiting for the next one");
+                continue;
+            }
         };
         match receive_on(stream, Some(&listener), &options, &log) {
             Ok(incoming) => break incoming,
@@ -145,7 +165,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
 /// `receive --memory-only`: one migration into plain memory.
 fn receive_memory_only(listener: &Listener, options: &ReceiveOptions) -> anyhow::Result<()> {
     eprintln!("tsubame: waiting for memory on {}", listener.local_address());
-    let stream = listener.accept()?;
+    let stream = options.security.accepted(listener.accept()?)?;
     let mut landing = MemoryLanding { max_bytes: tsubame_vmm::memory::MAX_MEMORY, memory: None, started: false };
     let log = |m: &str| eprintln!("tsubame: {m}");
     let received = receive_into(stream, Some(listener), options, &log, &mut landing)

@@ -30,11 +30,19 @@ pub struct ReceiveOptions {
     pub io_timeout: Duration,
     /// Back guest memory with transparent huge pages.
     pub hugepages: bool,
+    /// What the source's extra channels must pass (channel 0 is
+    /// protected by whoever accepted it).
+    pub security: crate::transport::Security,
 }
 
 impl Default for ReceiveOptions {
     fn default() -> Self {
-        ReceiveOptions { expect_memory: None, io_timeout: Duration::from_secs(30), hugepages: true }
+        ReceiveOptions {
+            expect_memory: None,
+            io_timeout: Duration::from_secs(30),
+            hugepages: true,
+            security: Default::default(),
+        }
     }
 }
 
@@ -454,7 +462,13 @@ struct ChannelSource<'a> {
 
 impl ChannelSource<'_> {
     /// Accepts the source's channels 1..count of `session`, in any order.
-    fn accept(&self, session: u64, count: u16, timeout: Duration) -> Result<Vec<Stream>, ReceiveError> {
+    fn accept(
+        &self,
+        session: u64,
+        count: u16,
+        timeout: Duration,
+        security: &crate::transport::Security,
+    ) -> Result<Vec<Stream>, ReceiveError> {
         let mut streams: Vec<Option<Stream>> = (1..count).map(|_| None).collect();
         if count <= 1 {
             return Ok(Vec::new());
@@ -471,6 +485,7 @@ impl ChannelSource<'_> {
                     timeout.as_secs()
                 )));
             };
+            let stream = security.accepted(stream)?;
             stream.set_read_timeout(Some(timeout))?;
             let mut reader = stream.try_clone()?;
             let mut writer = stream.try_clone()?;
@@ -655,7 +670,9 @@ impl<'a> StreamReceiver<'a> {
             hello.channels
         ));
         let extra = match channels {
-            Some(source) => source.accept(hello.session, hello.channels, self.options.io_timeout)?,
+            Some(source) => {
+                source.accept(hello.session, hello.channels, self.options.io_timeout, &self.options.security)?
+            }
             None => Vec::new(),
         };
 

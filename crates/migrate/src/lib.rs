@@ -8,6 +8,7 @@ pub mod pages;
 pub mod pipeline;
 pub mod recorder;
 pub mod replay;
+pub mod secure;
 pub mod source;
 pub mod source_vm;
 pub mod stats;

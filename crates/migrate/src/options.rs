@@ -50,6 +50,8 @@ pub struct MigrateOptions {
     pub zero_copy: bool,
     /// Run the per-page codecs on a GPU.
     pub gpu: Option<GpuOffload>,
+    /// How every connection is protected (pre-shared key, or plain).
+    pub security: crate::transport::Security,
 }
 
 /// Where `--gpu` runs the codecs.
@@ -132,6 +134,7 @@ impl Default for MigrateOptions {
             channels: 1,
             zero_copy: false,
             gpu: None,
+            security: Default::default(),
         }
     }
 }

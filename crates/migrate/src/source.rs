@@ -191,7 +191,7 @@ impl SourceRun<'_> {
         let layout =
             ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
         let pacer = Pacer::new(options.max_bandwidth);
-        let stream = Stream::connect(to, options.connect_timeout)?;
+        let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
         stream.set_read_timeout(Some(options.io_timeout))?;
         let reader = self.reader.insert(std::io::BufReader::new(stream.try_clone()?));
         let mut writer: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer.clone()));
@@ -222,7 +222,7 @@ impl SourceRun<'_> {
         // them only after its ACCEPT.
         let mut writers = vec![writer];
         for channel in 1..layout.channels {
-            let stream = Stream::connect(to, options.connect_timeout)?;
+            let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
             stream.set_read_timeout(Some(options.io_timeout))?;
             let mut w: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream.try_clone()?, pacer.clone()));
             wire::write_preamble(&mut w, wire::VERSION)?;
@@ -237,7 +237,9 @@ impl SourceRun<'_> {
             }
             for w in &writers {
                 let fd = crate::pipeline::tcp_fd(w).ok_or_else(|| {
-                    SourceError::BadOptions(format!("--zero-copy needs a tcp: destination, not {to}"))
+                    SourceError::BadOptions(format!(
+                        "--zero-copy needs a plain tcp: connection (no unix:, no --psk-file), not {to}"
+                    ))
                 })?;
                 zerocopy::enable(fd).map_err(|e| {
                     SourceError::BadOptions(format!("--zero-copy: the kernel refused SO_ZEROCOPY ({e})"))

@@ -24,6 +24,94 @@ pub enum TransportError {
     /// Accepting failed.
     #[error("accepting a connection failed")]
     Accept(#[source] std::io::Error),
+    /// The secure handshake with a peer failed.
+    #[error("secure connection with {peer}: {source}")]
+    Secure {
+        /// The peer.
+        peer: String,
+        /// What failed.
+        #[source]
+        source: crate::secure::SecureError,
+    },
+    /// Plain TCP with a peer that is not on this host.
+    #[error("refusing unencrypted TCP with {0}, which is not a loopback address: use --psk-file on both ends, or --insecure")]
+    Insecure(String),
+}
+
+/// How connections are protected.
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// Authenticate and encrypt with this pre-shared key.
+    pub psk: Option<crate::secure::Psk>,
+    /// Allow plain TCP with peers that are not on this host.
+    pub insecure: bool,
+}
+
+/// How long a secure handshake may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Security {
+    /// Protects a freshly accepted connection (the destination's end).
+    pub fn accepted(&self, stream: Stream) -> Result<Stream, TransportError> {
+        self.protect(stream, crate::secure::Role::Server)
+    }
+
+    /// Authenticates `stream` (plain TCP: checks the peer is local).
+    fn protect(&self, stream: Stream, role: crate::secure::Role) -> Result<Stream, TransportError> {
+        let peer = stream.peer_name();
+        let Some(psk) = &self.psk else {
+            if let Stream::Tcp(s) = &stream {
+                let local = s.peer_addr().map(|a| a.ip().is_loopback()).unwrap_or(false);
+                if !local && !self.insecure {
+                    stream.shutdown();
+                    return Err(TransportError::Insecure(peer));
+                }
+            }
+            return Ok(stream);
+        };
+        let secure = |source| TransportError::Secure { peer: peer.clone(), source };
+        let io = |e: std::io::Error| secure(crate::secure::SecureError::Io(e));
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+        let keys = crate::secure::psk_handshake(&mut RawRef(&stream), psk, role).map_err(|e| {
+            stream.shutdown();
+            secure(e)
+        })?;
+        stream.set_read_timeout(None).map_err(io)?;
+        Ok(Stream::Secure(Arc::new(Secured { raw: stream, channel: crate::secure::Channel::new(&keys) })))
+    }
+}
+
+/// A connection under the secure record layer.
+pub struct Secured {
+    raw: Stream,
+    channel: crate::secure::Channel,
+}
+
+/// Reads and writes a plain stream through a shared reference.
+struct RawRef<'a>(&'a Stream);
+
+impl Read for RawRef<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self.0 {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
+            Stream::Secure(s) => RawRef(&s.raw).read(buf),
+        }
+    }
+}
+
+impl Write for RawRef<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self.0 {
+            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Unix(s) => (&*s).write(buf),
+            Stream::Secure(s) => RawRef(&s.raw).write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A migration endpoint.
@@ -72,9 +160,26 @@ pub enum Stream {
     Tcp(TcpStream),
     /// Unix socket.
     Unix(UnixStream),
+    /// Either, authenticated and encrypted (docs/security.md).
+    Secure(Arc<Secured>),
 }
 
 impl Stream {
+    /// Connects to `addr` as [`Stream::connect`] does, then protects the
+    /// connection as `security` says.
+    pub fn connect_with(addr: &Address, patience: Duration, security: &Security) -> Result<Stream, TransportError> {
+        security.protect(Stream::connect(addr, patience)?, crate::secure::Role::Client)
+    }
+
+    /// The peer, for messages.
+    pub fn peer_name(&self) -> String {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().map(|a| format!("tcp:{a}")).unwrap_or_else(|_| "tcp peer".into()),
+            Stream::Unix(_) => "a unix socket peer".into(),
+            Stream::Secure(s) => s.raw.peer_name(),
+        }
+    }
+
     /// Connects to `addr`, retrying for up to `patience` while the peer is
     /// not listening yet.
     pub fn connect(addr: &Address, patience: Duration) -> Result<Stream, TransportError> {
@@ -100,6 +205,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Secure(s) => Stream::Secure(s.clone()),
         })
     }
 
@@ -108,6 +214,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_read_timeout(t),
             Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Secure(s) => s.raw.set_read_timeout(t),
         }
     }
 
@@ -126,6 +233,10 @@ impl Stream {
         let _ = match self {
             Stream::Tcp(s) => s.shutdown(how),
             Stream::Unix(s) => s.shutdown(how),
+            Stream::Secure(s) => {
+                s.raw.shutdown_how(how);
+                Ok(())
+            }
         };
     }
 }
@@ -139,6 +250,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
+            Stream::Secure(s) => s.channel.rx.lock().unwrap().read(&mut RawRef(&s.raw), buf),
         }
     }
 }
@@ -148,6 +260,10 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
+            Stream::Secure(s) => {
+                s.channel.tx.lock().unwrap().write_all(&mut RawRef(&s.raw), buf)?;
+                Ok(buf.len())
+            }
         }
     }
 
@@ -155,6 +271,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.flush(),
             Stream::Unix(s) => s.flush(),
+            Stream::Secure(_) => Ok(()),
         }
     }
 }
@@ -226,6 +343,7 @@ impl Listener {
             match stream {
                 Stream::Tcp(s) => s.set_nonblocking(false),
                 Stream::Unix(s) => s.set_nonblocking(false),
+                Stream::Secure(_) => Ok(()),
             }
             .map_err(TransportError::Accept)?;
         }

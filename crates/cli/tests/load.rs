@@ -1,0 +1,118 @@
+//! Load: eight VMs migrate at once, each from its own `tsubame run` to its
+//! own `tsubame receive` (a receiver takes one VM), all on this machine.
+//! Every migration must complete with its memory digest verified and every
+//! guest must run on at the destination. Prints the wall time and the
+//! CPU-seconds of both ends.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
+use serde_json::{json, Value};
+
+fn control(socket: &Path, request: &Value) -> Value {
+    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("{}: {e}", socket.display()));
+    stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
+        reply.push(byte[0]);
+    }
+    serde_json::from_slice(&reply).unwrap()
+}
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+const VMS: usize = 8;
+
+#[test]
+fn eight_vms_migrate_at_once() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("load");
+    let mut procs = Vec::new();
+    for i in 0..VMS {
+        let seed = format!("seed={}", i + 1);
+        procs.push(Proc(
+            tsubame()
+                .args(["run", "--quiet", "--memory", "64M", "--workload", "kv"])
+                .args(["--workload-arg", "wss=16M", "--workload-arg", &seed, "--control"])
+                .arg(dir.join(format!("source-{i}.sock")))
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+        procs.push(Proc(
+            tsubame()
+                .args(["receive", "--quiet", "--once", "--listen"])
+                .arg(format!("unix:{}", dir.join(format!("in-{i}.sock")).display()))
+                .arg("--control")
+                .arg(dir.join(format!("dest-{i}.sock")))
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+    }
+    for i in 0..VMS {
+        wait_for_socket(&dir.join(format!("source-{i}.sock")));
+        wait_for_socket(&dir.join(format!("dest-{i}.sock")));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    for i in 0..VMS {
+        let to = format!("unix:{}", dir.join(format!("in-{i}.sock")).display());
+        let reply = control(&dir.join(format!("source-{i}.sock")), &json!({"cmd": "migrate", "to": to}));
+        assert_eq!(reply["ok"], true, "VM {i}: {reply}");
+    }
+    let mut stats: Vec<Option<Value>> = vec![None; VMS];
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while stats.iter().any(Option::is_none) {
+        assert!(Instant::now() < deadline, "migrations did not finish in 300 s");
+        for (i, slot) in stats.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+            let q = control(&dir.join(format!("source-{i}.sock")), &json!({"cmd": "query-migrate"}));
+            if q["status"] != "active" {
+                *slot = Some(q["stats"].clone());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let (mut cpu_source, mut cpu_dest, mut bytes, mut longest) = (0.0, 0.0, 0.0, 0.0f64);
+    for (i, s) in stats.iter().enumerate() {
+        let s = s.as_ref().unwrap();
+        assert_eq!(s["status"], "completed", "VM {i}: {s}");
+        assert_eq!(s["digest_verified"], true, "VM {i}: {s}");
+        cpu_source += s["cpu_seconds"]["source"].as_f64().unwrap();
+        cpu_dest += s["cpu_seconds"]["destination"].as_f64().unwrap();
+        bytes += s["bytes_on_wire"].as_f64().unwrap();
+        longest = longest.max(s["total_time_ms"].as_f64().unwrap());
+    }
+    // Every guest runs on at its destination.
+    for i in 0..VMS {
+        let sock = dir.join(format!("dest-{i}.sock"));
+        let first = control(&sock, &json!({"cmd": "stats"}));
+        std::thread::sleep(Duration::from_millis(300));
+        let later = control(&sock, &json!({"cmd": "stats"}));
+        assert_eq!(later["status"], "running", "VM {i} at destination: {later}");
+        assert!(later["guest"]["ops"].as_u64() > first["guest"]["ops"].as_u64(), "VM {i}: {first} then {later}");
+        assert!(later["guest"]["error"].is_null(), "VM {i}: {later}");
+    }
+    println!(
+        "load: {VMS} VMs of 64 MiB migrated at once in {wall:.2} s (longest {:.0} ms), {:.1} MiB on the wire, \
+         CPU-seconds: sources {cpu_source:.2}, destinations {cpu_dest:.2}; all digests verified",
+        longest,
+        bytes / (1 << 20) as f64
+    );
+}

@@ -1,0 +1,400 @@
+//! Authenticated, encrypted connections: a pre-shared-key handshake and an
+//! AEAD record layer under the migration stream (docs/security.md).
+//!
+//! Handshake, per connection, before any byte of the migration stream:
+//!
+//! ```text
+//! client (source)                          server (destination)
+//!   | HELLO: magic, mode, nonce_c (32)  --->  |
+//!   |       <---  HELLO: magic, mode, nonce_s |
+//!   | proof_c = HMAC(k_auth_c, transcript) -> |  checks it
+//!   |       <---  status (0 ok | 1 refused), proof_s
+//!   | status (0 ok | 1 refused)         --->  |  (client checked proof_s)
+//! ```
+//!
+//! `prk = HKDF-SHA256-Extract(salt = nonce_c || nonce_s, ikm = PSK)`; the
+//! two proof keys and the two traffic keys (one per direction) are
+//! expanded from it under distinct labels. Fresh nonces on both sides make
+//! every session's keys new, so a recorded session cannot be replayed, and
+//! a proof never opens the other direction's check.
+//!
+//! Records, each direction independent: `length u32` (of what follows,
+//! ≤ [`MAX_RECORD`] + 16) then AES-256-GCM ciphertext and tag; the nonce is
+//! the record's sequence number in that direction (never reused: one key
+//! per direction per session); the length is the additional data. A
+//! record that fails to open ends the connection.
+
+use std::io::{Read, Write};
+use std::sync::Mutex;
+
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use ring::hkdf;
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
+
+/// First bytes of the handshake (never a valid migration preamble).
+pub const MAGIC: [u8; 8] = *b"TSBSEC1\0";
+/// Largest plaintext in one record.
+pub const MAX_RECORD: usize = 256 * 1024;
+const TAG_LEN: usize = 16;
+const NONCE_LEN: usize = 32;
+/// Handshake HELLO: magic, mode, nonce.
+pub const HELLO_LEN: usize = 8 + 1 + NONCE_LEN;
+/// Mode byte of the pre-shared-key handshake.
+pub const MODE_PSK: u8 = 1;
+/// Shortest pre-shared key accepted.
+pub const MIN_PSK: usize = 16;
+
+/// Why a secure connection could not be set up or used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecureError {
+    /// The connection failed during the handshake.
+    #[error("handshake: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer speaks plain migration or another protocol.
+    #[error("the peer did not start a secure handshake ({0}); give both ends the same --psk-file, or --insecure on both for plain TCP")]
+    NotSecure(&'static str),
+    /// The peer's proof did not verify: it holds another key.
+    #[error("the peer failed authentication: it does not hold our pre-shared key")]
+    PeerNotAuthenticated,
+    /// The peer said our proof did not verify.
+    #[error("the peer refused us: we do not hold its pre-shared key")]
+    RefusedByPeer,
+    /// A pre-shared-key file is unusable.
+    #[error("pre-shared key {path}: {reason}")]
+    BadKey {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A pre-shared key (at least [`MIN_PSK`] bytes).
+#[derive(Clone)]
+pub struct Psk(Vec<u8>);
+
+impl std::fmt::Debug for Psk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Psk(..)")
+    }
+}
+
+impl Psk {
+    /// Reads a key file: its bytes, with one trailing newline dropped.
+    pub fn read(path: &std::path::Path) -> Result<Psk, SecureError> {
+        let bad = |reason: String| SecureError::BadKey { path: path.display().to_string(), reason };
+        let mut bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+        }
+        Psk::new(bytes).map_err(|e| match e {
+            SecureError::BadKey { reason, .. } => bad(reason),
+            other => other,
+        })
+    }
+
+    /// A key from bytes.
+    pub fn new(bytes: Vec<u8>) -> Result<Psk, SecureError> {
+        if bytes.len() < MIN_PSK {
+            return Err(SecureError::BadKey {
+                path: "(key)".into(),
+                reason: format!("{} bytes; use at least {MIN_PSK} random bytes", bytes.len()),
+            });
+        }
+        Ok(Psk(bytes))
+    }
+}
+
+/// Which end of the handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The connecting side (the source).
+    Client,
+    /// The accepting side (the destination).
+    Server,
+}
+
+struct Label;
+impl hkdf::KeyType for Label {
+    fn len(&self) -> usize {
+        32
+    }
+}
+
+fn expand(prk: &hkdf::Prk, label: &'static [u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    let info = [label];
+    prk.expand(&info, Label).and_then(|okm| okm.fill(&mut out)).expect("32 bytes is a valid HKDF length");
+    out
+}
+
+/// Traffic keys of one session.
+pub struct Keys {
+    /// Key for what this end sends.
+    pub send: [u8; 32],
+    /// Key for what this end receives.
+    pub receive: [u8; 32],
+}
+
+/// Runs the pre-shared-key handshake over `io`; returns the traffic keys.
+pub fn psk_handshake(io: &mut (impl Read + Write), psk: &Psk, role: Role) -> Result<Keys, SecureError> {
+    let mut ours = [0u8; NONCE_LEN];
+    SystemRandom::new().fill(&mut ours).map_err(|_| std::io::Error::other("no system randomness"))?;
+    let mut hello = Vec::with_capacity(HELLO_LEN);
+    hello.extend_from_slice(&MAGIC);
+    hello.push(MODE_PSK);
+    hello.extend_from_slice(&ours);
+    io.write_all(&hello)?;
+    io.flush()?;
+    // The magic first: a plain peer sends only its 16-byte preamble.
+    let mut theirs_hello = [0u8; HELLO_LEN];
+    io.read_exact(&mut theirs_hello[..8])?;
+    check_magic(&theirs_hello[..8])?;
+    io.read_exact(&mut theirs_hello[8..])?;
+    let theirs = check_hello(&theirs_hello)?;
+    let (nc, ns) = match role {
+        Role::Client => (ours, theirs),
+        Role::Server => (theirs, ours),
+    };
+    let mut salt = [0u8; 2 * NONCE_LEN];
+    salt[..NONCE_LEN].copy_from_slice(&nc);
+    salt[NONCE_LEN..].copy_from_slice(&ns);
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &salt).extract(&psk.0);
+    let auth_c = hmac::Key::new(hmac::HMAC_SHA256, &expand(&prk, b"tsubame psk v1 client proof"));
+    let auth_s = hmac::Key::new(hmac::HMAC_SHA256, &expand(&prk, b"tsubame psk v1 server proof"));
+    let c2s = expand(&prk, b"tsubame psk v1 client to server");
+    let s2c = expand(&prk, b"tsubame psk v1 server to client");
+    let transcript = |who: &[u8]| [b"tsubame psk v1 ".as_slice(), who, &salt].concat();
+    match role {
+        Role::Client => {
+            io.write_all(hmac::sign(&auth_c, &transcript(b"client")).as_ref())?;
+            io.flush()?;
+            let mut status = [0u8; 1];
+            io.read_exact(&mut status)?;
+            if status[0] != 0 {
+                return Err(SecureError::RefusedByPeer);
+            }
+            let mut proof = [0u8; 32];
+            io.read_exact(&mut proof)?;
+            let ok = hmac::verify(&auth_s, &transcript(b"server"), &proof).is_ok();
+            io.write_all(&[u8::from(!ok)])?;
+            io.flush()?;
+            if !ok {
+                return Err(SecureError::PeerNotAuthenticated);
+            }
+            Ok(Keys { send: c2s, receive: s2c })
+        }
+        Role::Server => {
+            let mut proof = [0u8; 32];
+            io.read_exact(&mut proof)?;
+            if hmac::verify(&auth_c, &transcript(b"client"), &proof).is_err() {
+                let _ = io.write_all(&[1]).and_then(|_| io.flush());
+                return Err(SecureError::PeerNotAuthenticated);
+            }
+            io.write_all(&[0])?;
+            io.write_all(hmac::sign(&auth_s, &transcript(b"server")).as_ref())?;
+            io.flush()?;
+            let mut status = [0u8; 1];
+            io.read_exact(&mut status)?;
+            if status[0] != 0 {
+                return Err(SecureError::RefusedByPeer);
+            }
+            Ok(Keys { send: s2c, receive: c2s })
+        }
+    }
+}
+
+/// Checks a peer's handshake HELLO; returns its nonce.
+pub fn check_hello(hello: &[u8; HELLO_LEN]) -> Result<[u8; NONCE_LEN], SecureError> {
+    check_magic(&hello[..8])?;
+    if hello[8] != MODE_PSK {
+        return Err(SecureError::NotSecure("it asks for another mode"));
+    }
+    Ok(hello[9..].try_into().expect("32 bytes"))
+}
+
+fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
+    if magic == crate::wire::MAGIC {
+        return Err(SecureError::NotSecure("it sent a plain migration preamble"));
+    }
+    if magic != MAGIC {
+        return Err(SecureError::NotSecure("unknown first bytes"));
+    }
+    Ok(())
+}
+
+fn key(bytes: &[u8; 32]) -> LessSafeKey {
+    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, bytes).expect("32-byte AES-256 key"))
+}
+
+fn nonce(seq: u64) -> Nonce {
+    let mut n = [0u8; 12];
+    n[4..].copy_from_slice(&seq.to_le_bytes());
+    Nonce::assume_unique_for_key(n)
+}
+
+/// Sealing state of one direction.
+pub struct Sealer {
+    key: LessSafeKey,
+    seq: u64,
+    buf: Vec<u8>,
+}
+
+impl Sealer {
+    /// Seals with `key`.
+    pub fn new(k: &[u8; 32]) -> Sealer {
+        Sealer { key: key(k), seq: 0, buf: Vec::new() }
+    }
+
+    /// Writes `data` as records to `w`.
+    pub fn write_all(&mut self, w: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
+        for chunk in data.chunks(MAX_RECORD) {
+            let len = (chunk.len() + TAG_LEN) as u32;
+            // Sealed in place in one reused buffer: no allocation per record.
+            self.buf.clear();
+            self.buf.extend_from_slice(&len.to_le_bytes());
+            self.buf.extend_from_slice(chunk);
+            let tag = self
+                .key
+                .seal_in_place_separate_tag(nonce(self.seq), Aad::from(len.to_le_bytes()), &mut self.buf[4..])
+                .map_err(|_| std::io::Error::other("sealing failed"))?;
+            self.seq += 1;
+            self.buf.extend_from_slice(tag.as_ref());
+            w.write_all(&self.buf)?;
+        }
+        Ok(())
+    }
+}
+
+/// Opening state of one direction, with what was opened and not yet read.
+pub struct Opener {
+    key: LessSafeKey,
+    seq: u64,
+    record: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Opener {
+    /// Opens with `key`.
+    pub fn new(k: &[u8; 32]) -> Opener {
+        Opener { key: key(k), seq: 0, record: Vec::new(), start: 0, end: 0 }
+    }
+
+    /// Reads plaintext, opening the next record from `r` when needed.
+    pub fn read(&mut self, r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.start == self.end {
+            let mut len = [0u8; 4];
+            // A clean end of stream before a record is an end of stream.
+            let mut got = 0;
+            while got < 4 {
+                let n = r.read(&mut len[got..])?;
+                if n == 0 {
+                    if got == 0 {
+                        return Ok(0);
+                    }
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                got += n;
+            }
+            let n = u32::from_le_bytes(len) as usize;
+            if !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&n) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("encrypted record length {n} out of range"),
+                ));
+            }
+            self.record.resize(n, 0);
+            r.read_exact(&mut self.record)?;
+            let plain = self
+                .key
+                .open_in_place(nonce(self.seq), Aad::from(len), &mut self.record)
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "encrypted record failed authentication")
+                })?
+                .len();
+            self.seq += 1;
+            self.start = 0;
+            self.end = plain;
+        }
+        let n = buf.len().min(self.end - self.start);
+        buf[..n].copy_from_slice(&self.record[self.start..self.start + n]);
+        self.start += n;
+        Ok(n)
+    }
+}
+
+/// Both directions of a secured connection; shared by its handles, each
+/// direction under its own lock (one thread reads, another writes).
+pub struct Channel {
+    /// Receiving side.
+    pub rx: Mutex<Opener>,
+    /// Sending side.
+    pub tx: Mutex<Sealer>,
+}
+
+impl Channel {
+    /// A channel for a session's keys.
+    pub fn new(keys: &Keys) -> Channel {
+        Channel { rx: Mutex::new(Opener::new(&keys.receive)), tx: Mutex::new(Sealer::new(&keys.send)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    fn pair(a: &[u8], b: &[u8]) -> (Result<Keys, SecureError>, Result<Keys, SecureError>) {
+        let (mut x, mut y) = UnixStream::pair().unwrap();
+        let (a, b) = (Psk::new(a.to_vec()).unwrap(), Psk::new(b.to_vec()).unwrap());
+        let t = std::thread::spawn(move || psk_handshake(&mut y, &b, Role::Server));
+        let c = psk_handshake(&mut x, &a, Role::Client);
+        drop(x);
+        (c, t.join().unwrap())
+    }
+
+    #[test]
+    fn same_key_agrees_and_records_round_trip() {
+        let (c, s) = pair(b"0123456789abcdef-key", b"0123456789abcdef-key");
+        let (c, s) = (c.unwrap(), s.unwrap());
+        assert_eq!(c.send, s.receive);
+        assert_eq!(c.receive, s.send);
+        assert_ne!(c.send, c.receive);
+        let mut wire = Vec::new();
+        let data: Vec<u8> = (0..600_000u32).map(|i| i as u8).collect();
+        Sealer::new(&c.send).write_all(&mut wire, &data).unwrap();
+        assert!(!wire.windows(64).any(|w| w == &data[1000..1064]), "plaintext visible on the wire");
+        let mut out = Vec::new();
+        let mut opener = Opener::new(&s.receive);
+        let mut r = &wire[..];
+        let mut buf = [0u8; 7000];
+        loop {
+            let n = opener.read(&mut r, &mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(out, data);
+        // One flipped bit: the record does not open.
+        wire[100] ^= 1;
+        assert!(Opener::new(&s.receive).read(&mut &wire[..], &mut buf).is_err());
+    }
+
+    #[test]
+    fn wrong_key_is_refused_on_both_sides() {
+        let (c, s) = pair(b"0123456789abcdef-key", b"0123456789abcdef-KEY");
+        assert!(matches!(c, Err(SecureError::RefusedByPeer)), "{:?}", c.err());
+        assert!(matches!(s, Err(SecureError::PeerNotAuthenticated)), "{:?}", s.err());
+    }
+
+    #[test]
+    fn plain_peer_and_short_keys_are_refused() {
+        let mut hello = [0u8; HELLO_LEN];
+        hello[..8].copy_from_slice(&crate::wire::MAGIC);
+        assert!(matches!(check_hello(&hello), Err(SecureError::NotSecure(_))));
+        assert!(Psk::new(b"short".to_vec()).is_err());
+    }
+}
