@@ -956,8 +956,10 @@ def run_tsubame(case, config, rep, env, link, run_tag):
     src = dst = migrate = None
     try:
         dst = Proc(f"{what} tsubame receive",
+                   # --insecure: the link is the harness's own pair of namespaces
+                   # (QEMU's stream is plain too), not a network.
                    link.netns_exec(link.dst_ns) + [env.tsubame, "receive", "--listen", to, "--once",
-                                                   "--memory", case.memory, "--control", dst_ctl],
+                                                   "--memory", case.memory, "--control", dst_ctl, "--insecure"],
                    os.path.join(env.log_dir, f"{run_tag}-dst.log"), capture_stdout=True)
         src = Proc(f"{what} tsubame run", link.netns_exec(link.src_ns) + run_cmd,
                    os.path.join(env.log_dir, f"{run_tag}-src.log"), capture_stdout=True)
@@ -967,7 +969,7 @@ def run_tsubame(case, config, rep, env, link, run_tag):
         result.guest_banner_source = check_banner(src.out, f"{what} source", env.tsc_khz)
         time.sleep(case.warmup_s)
 
-        migrate_cmd = [env.tsubame, "migrate", "--control", src_ctl, "--to", to,
+        migrate_cmd = [env.tsubame, "migrate", "--control", src_ctl, "--to", to, "--insecure",
                        "--downtime-limit", str(case.downtime_limit_ms), "--json", stats_path]
         bits = case.bandwidth_bits()
         if bits:
