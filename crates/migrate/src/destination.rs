@@ -736,6 +736,12 @@ impl<'a> StreamReceiver<'a> {
         drop(digest);
         shared.done.store(true, Ordering::Release);
         drop(main);
+        if readers.is_empty() {
+            // One channel: the decoders' queues closed with `main`.
+            for w in workers.drain(..) {
+                let _ = w.join();
+            }
+        }
         let state = match result {
             Ok(state) => state,
             Err(e) => {
@@ -761,14 +767,10 @@ impl<'a> StreamReceiver<'a> {
         }
         landing.start()?;
         (self.log)("committed; the VM runs here now");
-        if readers.is_empty() {
-            for w in workers {
-                let _ = w.join();
-            }
-        }
-        // Otherwise readers and decoders end when the source closes its
-        // channels; nothing waits for that.
+        // Extra channels' readers and their decoders end when the source
+        // closes its channels; nothing waits for that.
         drop(readers);
+        drop(workers);
         Ok(self.iterations)
     }
 
