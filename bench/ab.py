@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Two tsubame binaries, the same demo, alternating runs: medians and B/A ratios.
+
+For "did this change help": build the old commit elsewhere (a git worktree),
+then e.g.
+  python3 bench/ab.py /tmp/old/tsubame target/release/tsubame --runs 3 -- \
+      demo --memory 2G --workload kv
+Each run adds `--json`; the table shows total time, downtime, iterations,
+bytes and both ends' migration CPU (the source's migration and stage
+threads, not the guest's vCPU).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run(binary, args, path):
+    proc = subprocess.run([binary] + args + ["--json", path], capture_output=True, text=True)
+    if not os.path.exists(path):
+        sys.exit(f"no statistics from {binary} {' '.join(args)}:\n{proc.stderr}")
+    with open(path) as f:
+        stats = json.load(f)
+    if stats.get("status") != "completed" or not stats.get("digest_verified"):
+        sys.exit(f"{binary}: migration did not complete and verify: {stats.get('error')}")
+    cpu = stats["cpu_seconds"]
+    stages = sum(s.get("cpu_seconds", 0) for s in (stats.get("pipeline") or {}).get("stages", []))
+    return {
+        "total ms": stats["total_time_ms"],
+        "downtime ms": stats["downtime_ms"],
+        "iterations": stats["iterations"],
+        "MiB on wire": stats["bytes_on_wire"] / 2**20,
+        "source CPU-s": cpu.get("source_migration_thread", 0) + stages,
+        "destination CPU-s": cpu["destination"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", help="baseline binary")
+    ap.add_argument("b", help="binary under test")
+    ap.add_argument("--runs", type=int, default=3)
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.error("give the tsubame arguments after --")
+    cut = argv.index("--")
+    opts = ap.parse_args(argv[:cut])
+    args = argv[cut + 1:]
+    results = {"a": [], "b": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(opts.runs):
+            for side in ("a", "b"):
+                binary = getattr(opts, side)
+                r = run(binary, args, os.path.join(tmp, f"{side}{i}.json"))
+                results[side].append(r)
+                print(f"{side} #{i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()), file=sys.stderr)
+    print(f"`{' '.join(args)}`, {opts.runs} alternating runs each; A = `{opts.a}`, B = `{opts.b}`\n")
+    print("| figure | A (median) | B (median) | B / A |")
+    print("|---|---|---|---|")
+    for key in results["a"][0]:
+        a = statistics.median(r[key] for r in results["a"])
+        b = statistics.median(r[key] for r in results["b"])
+        print(f"| {key} | {a:.2f} | {b:.2f} | {b / a if a else float('nan'):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
