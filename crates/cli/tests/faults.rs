@@ -28,40 +28,14 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
+use common::{kvm_or_skip, scratch, try_control as control, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
 use tsubame_migrate::wire::{self, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
-
-/// Sends one control request; None when nobody answers (process gone).
-fn control(socket: &Path, request: &Value) -> Option<Value> {
-    let mut stream = UnixStream::connect(socket).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    stream.write_all(format!("{request}\n").as_bytes()).ok()?;
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).ok()? == 1 && byte[0] != b'\n' {
-        reply.push(byte[0]);
-    }
-    serde_json::from_slice(&reply).ok()
-}
-
-struct Proc(Child);
-impl Proc {
-    fn alive(&mut self) -> bool {
-        self.0.try_wait().map(|s| s.is_none()).unwrap_or(false)
-    }
-}
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// xorshift64*: enough randomness for choosing fault points.
 struct Rng(u64);

@@ -6,33 +6,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
+use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
-
-fn control(socket: &Path, request: &Value) -> Value {
-    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("{}: {e}", socket.display()));
-    stream.write_all(format!("{request}\n").as_bytes()).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
-        reply.push(byte[0]);
-    }
-    serde_json::from_slice(&reply).unwrap()
-}
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const VMS: usize = 8;
 

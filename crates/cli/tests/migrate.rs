@@ -7,32 +7,12 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{kvm_or_skip, scratch, tsubame, wait_for_socket};
+use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
 use tsubame_migrate::wire::{self, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
-
-/// Sends one control request and returns the reply.
-fn control(socket: &Path, request: Value) -> Value {
-    let mut stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("{}: {e}", socket.display()));
-    stream.write_all(format!("{request}\n").as_bytes()).unwrap();
-    let mut reply = String::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
-        reply.push(byte[0] as char);
-    }
-    serde_json::from_str(&reply).unwrap()
-}
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A source VM (`run --control`) and a destination (`receive --control`).
 struct Pair {
@@ -96,10 +76,10 @@ impl Pair {
 
     /// The source VM runs and its guest makes progress.
     fn assert_source_runs(&self) {
-        let first = control(&self.source_control(), json!({"cmd": "stats"}));
+        let first = control(&self.source_control(), &json!({"cmd": "stats"}));
         assert_eq!(first["status"], "running", "source VM is not running: {first}");
         std::thread::sleep(Duration::from_millis(300));
-        let later = control(&self.source_control(), json!({"cmd": "stats"}));
+        let later = control(&self.source_control(), &json!({"cmd": "stats"}));
         assert!(
             later["guest"]["ops"].as_u64() > first["guest"]["ops"].as_u64(),
             "source guest stopped making progress: {first} then {later}"
@@ -112,7 +92,7 @@ impl Pair {
         if self.dest.0.try_wait().unwrap().is_some() {
             return;
         }
-        let stats = control(&self.dest_control(), json!({"cmd": "stats"}));
+        let stats = control(&self.dest_control(), &json!({"cmd": "stats"}));
         assert_eq!(stats["status"], "waiting", "destination runs a copy: {stats}");
     }
 }
@@ -126,7 +106,7 @@ fn migrate_between_processes_and_guest_continues() {
     }
     let mut pair = Pair::start("mig-ok", SMALL_VM, &[]);
     std::thread::sleep(Duration::from_millis(500));
-    let before = control(&pair.source_control(), json!({"cmd": "stats"}))["guest"]["ops"].as_u64().unwrap();
+    let before = control(&pair.source_control(), &json!({"cmd": "stats"}))["guest"]["ops"].as_u64().unwrap();
     let (code, text, stats) = pair.migrate(&pair.incoming(), &[]);
     assert_eq!(code, 0, "{text}");
     assert_eq!(stats["status"], "completed");
@@ -155,14 +135,14 @@ fn migrate_between_processes_and_guest_continues() {
     // The source process ends; the guest runs on at the destination.
     let status = pair.source.0.wait().unwrap();
     assert!(status.success());
-    let first = control(&pair.dest_control(), json!({"cmd": "stats"}));
+    let first = control(&pair.dest_control(), &json!({"cmd": "stats"}));
     std::thread::sleep(Duration::from_millis(500));
-    let later = control(&pair.dest_control(), json!({"cmd": "stats"}));
+    let later = control(&pair.dest_control(), &json!({"cmd": "stats"}));
     assert_eq!(later["status"], "running");
     let (a, b) = (first["guest"]["ops"].as_u64().unwrap(), later["guest"]["ops"].as_u64().unwrap());
     assert!(a >= before && b > a, "ops before {before}, at destination {a} then {b}");
     assert_eq!(later["guest"]["error"], Value::Null);
-    control(&pair.dest_control(), json!({"cmd": "quit"}));
+    control(&pair.dest_control(), &json!({"cmd": "quit"}));
     assert!(pair.dest.0.wait().unwrap().success());
 }
 

@@ -38,3 +38,40 @@ pub fn wait_for_socket(path: &std::path::Path) -> std::os::unix::net::UnixStream
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// Sends one control request; None when nobody answers (the process is
+/// gone, or silent for 10 s).
+pub fn try_control(socket: &std::path::Path, request: &serde_json::Value) -> Option<serde_json::Value> {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
+    stream.write_all(format!("{request}\n").as_bytes()).ok()?;
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).ok()? == 1 && byte[0] != b'\n' {
+        reply.push(byte[0]);
+    }
+    serde_json::from_slice(&reply).ok()
+}
+
+/// Sends one control request and returns the reply.
+pub fn control(socket: &std::path::Path, request: &serde_json::Value) -> serde_json::Value {
+    try_control(socket, request).unwrap_or_else(|| panic!("{}: no reply to {request}", socket.display()))
+}
+
+/// A child process, killed when dropped.
+pub struct Proc(pub std::process::Child);
+
+impl Proc {
+    /// True while it has not exited.
+    pub fn alive(&mut self) -> bool {
+        self.0.try_wait().map(|s| s.is_none()).unwrap_or(false)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
