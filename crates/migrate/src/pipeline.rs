@@ -304,6 +304,9 @@ impl ShardEncoder {
                     Change::Zero => {
                         self.builder.push(index, Encoding::Zero, &[]);
                         self.encoder.observe_zero(index);
+                        // Found zero by fetch (in place, or never backed):
+                        // the zero codec's work all the same.
+                        self.encoder.count_record(tsubame_codec::TAG_ZERO, 0);
                         self.zero_pages += 1;
                     }
                     Change::Full => match self.encoder.encode(index, page, &mut self.codec_buf) {
