@@ -387,9 +387,10 @@ impl SourceRun<'_> {
         }
     }
 
-    /// Hashes the regions of the pages just sent (all memory the first
-    /// time), on every core: the guest runs meanwhile, except in
-    /// stop-and-copy.
+    /// Hashes the pages just sent (all memory the first time) and their
+    /// regions, on every core: the guest runs meanwhile, except in
+    /// stop-and-copy. It runs between iterations, so iteration 0's full
+    /// pass delays iteration 1 (a background hasher would overlap it).
     fn refresh_digest(&mut self, sent: &[u64]) {
         let vm = self.vm;
         let digest =
