@@ -13,7 +13,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use tsubame_vmm::memory::GuestMemory;
 use tsubame_vmm::{memory, Vm, VmConfig, VmState, PAGE_SIZE};
 
-use crate::digest;
+use crate::digest::{self, BackgroundDigest};
 use crate::pages::{for_each_record, for_each_subpage, Encoding};
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Stream, TransportError};
@@ -241,61 +241,6 @@ impl PageMarks {
     /// Takes the `written` bits (clearing them) for the digest.
     fn take_written(&self) -> Vec<u64> {
         self.written.iter().map(|w| w.swap(0, Ordering::AcqRel)).collect()
-    }
-}
-
-/// The destination's digest, hashed in the background as pages land, so
-/// that after STATE only the last pages need hashing before READY. A page
-/// is marked after it is written and its mark taken before it is hashed:
-/// a write that lands during or after the hashing leaves its mark for the
-/// next round.
-struct BackgroundDigest {
-    region: u32,
-    requests: Sender<Option<Sender<Vec<u64>>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl BackgroundDigest {
-    fn start(mem: Arc<GuestMemory>, region: u32, marks: Arc<PageMarks>) -> BackgroundDigest {
-        let (requests, rx) = bounded::<Option<Sender<Vec<u64>>>>(1);
-        let thread = std::thread::Builder::new()
-            .name("digest".into())
-            .spawn(move || {
-                let mut digest = digest::IncrementalDigest::new(&mem, region);
-                let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-                while let Ok(request) = rx.recv() {
-                    digest.mark(&marks.take_written());
-                    digest.refresh(&mem, if request.is_some() { threads } else { 1 });
-                    if let Some(reply) = request {
-                        let _ = reply.send(digest.hashes().to_vec());
-                    }
-                }
-            })
-            .expect("spawn digest thread");
-        BackgroundDigest { region, requests, thread: Some(thread) }
-    }
-
-    /// Hashes what landed so far, unless a round is already under way.
-    fn nudge(&self) {
-        let _ = self.requests.try_send(None);
-    }
-
-    /// Every landed page hashed: the digest now (call with the pages
-    /// applied and none in flight).
-    fn hashes(&self) -> Vec<u64> {
-        let (tx, rx) = bounded(1);
-        self.requests.send(Some(tx)).expect("digest thread runs");
-        rx.recv().expect("digest thread answers")
-    }
-}
-
-impl Drop for BackgroundDigest {
-    fn drop(&mut self) {
-        let (dead, _) = bounded(1);
-        self.requests = dead;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 
@@ -731,8 +676,10 @@ impl<'a> StreamReceiver<'a> {
         }
         let main = dispatcher(0);
         drop(to_shards);
-        let digest = BackgroundDigest::start(mem.clone(), hello.digest_region, marks.clone());
-        let result = self.receive_memory(reader, writer, &main, &shared, &digest);
+        // Hashed in the background as pages land, so that after STATE only
+        // the last pages need hashing before READY.
+        let digest = BackgroundDigest::start(mem.clone(), hello.digest_region);
+        let result = self.receive_memory(reader, writer, &main, &shared, &digest, &marks);
         drop(digest);
         shared.done.store(true, Ordering::Release);
         drop(main);
@@ -783,6 +730,7 @@ impl<'a> StreamReceiver<'a> {
         main: &Dispatcher,
         shared: &Shared,
         digest: &BackgroundDigest,
+        marks: &PageMarks,
     ) -> Result<Vec<u8>, ReceiveError> {
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
@@ -794,7 +742,7 @@ impl<'a> StreamReceiver<'a> {
                 FrameKind::IterationEnd => {
                     last_iteration = Some(main.end(&self.frame).map_err(with_failure)?);
                     self.iterations += 1;
-                    digest.nudge();
+                    digest.mark(marks.take_written());
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame),
                 other => {
@@ -808,6 +756,7 @@ impl<'a> StreamReceiver<'a> {
         // Every channel's last pages are applied before memory is hashed;
         // most of it was hashed already as it landed.
         shared.wait_applied(final_iteration)?;
+        digest.mark(marks.take_written());
         let mut ours = digest.hashes();
         match self.next(reader)? {
             FrameKind::Digest => {}
@@ -818,13 +767,13 @@ impl<'a> StreamReceiver<'a> {
         let mut rounds = 0;
         let mut repair_iteration = final_iteration;
         loop {
-            let mismatched = digest::compare(&self.frame, digest.region, &ours)?;
+            let mismatched = digest::compare(&self.frame, digest.region(), &ours)?;
             let Some(&first) = mismatched.first() else { break };
             if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > digest::MAX_MISMATCH {
                 return Err(ReceiveError::DigestMismatch {
                     count: mismatched.len(),
                     total: ours.len(),
-                    first: first as u64 * digest.region as u64,
+                    first: first as u64 * digest.region() as u64,
                 });
             }
             rounds += 1;
@@ -840,6 +789,7 @@ impl<'a> StreamReceiver<'a> {
                 }
             }
             shared.wait_applied(repair_iteration)?;
+            digest.mark(marks.take_written());
             ours = digest.hashes();
         }
         Ok(state)

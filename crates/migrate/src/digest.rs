@@ -143,6 +143,81 @@ impl IncrementalDigest {
     }
 }
 
+/// An [`IncrementalDigest`] in a thread of its own: pages handed to
+/// [`BackgroundDigest::mark`] are hashed while migration goes on, and
+/// [`BackgroundDigest::hashes`] waits only for what is still marked. Hand
+/// over a page only after it was written (destination) or read for
+/// sending (source): a later change marks it again.
+pub struct BackgroundDigest {
+    region: u32,
+    requests: crossbeam_channel::Sender<Request>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+enum Request {
+    Mark(Vec<u64>),
+    Hashes(crossbeam_channel::Sender<Vec<u64>>),
+}
+
+impl BackgroundDigest {
+    /// Starts the thread; every page is marked at first.
+    pub fn start(mem: std::sync::Arc<GuestMemory>, region: u32) -> BackgroundDigest {
+        let (requests, rx) = crossbeam_channel::unbounded::<Request>();
+        let thread = std::thread::Builder::new()
+            .name("digest".into())
+            .spawn(move || {
+                let mut digest = IncrementalDigest::new(&mem, region);
+                let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+                while let Ok(first) = rx.recv() {
+                    // Take every request queued so far, then hash once.
+                    let mut waiting = Vec::new();
+                    for request in std::iter::once(first).chain(rx.try_iter()) {
+                        match request {
+                            Request::Mark(pages) => digest.mark(&pages),
+                            Request::Hashes(reply) => waiting.push(reply),
+                        }
+                    }
+                    // One thread while the migration runs beside it; every
+                    // core when someone waits (the guest is paused then).
+                    digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
+                    for reply in waiting {
+                        let _ = reply.send(digest.hashes().to_vec());
+                    }
+                }
+            })
+            .expect("spawn digest thread");
+        BackgroundDigest { region, requests, thread: Some(thread) }
+    }
+
+    /// The region size.
+    pub fn region(&self) -> u32 {
+        self.region
+    }
+
+    /// Hands over pages to hash (one bit per page).
+    pub fn mark(&self, pages: Vec<u64>) {
+        let _ = self.requests.send(Request::Mark(pages));
+    }
+
+    /// The digest with every marked page hashed.
+    pub fn hashes(&self) -> Vec<u64> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.requests.send(Request::Hashes(tx)).expect("digest thread runs");
+        rx.recv().expect("digest thread answers")
+    }
+}
+
+impl Drop for BackgroundDigest {
+    fn drop(&mut self) {
+        // A closed channel ends the thread after the request in hand.
+        let (closed, _) = crossbeam_channel::unbounded();
+        self.requests = closed;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// Encodes a DIGEST payload: region size, count, hashes.
 pub fn encode(region: u32, hashes: &[u64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(8 + hashes.len() * 8);

@@ -202,7 +202,7 @@ fn replay_loop(shared: &Shared, trace: &Trace, speed: f64) {
 }
 
 impl SourceVm for TraceReplay {
-    fn memory(&self) -> &GuestMemory {
+    fn memory(&self) -> &Arc<GuestMemory> {
         &self.shared.memory
     }
     fn memory_bytes(&self) -> u64 {

@@ -170,7 +170,7 @@ struct SourceRun<'a> {
     /// Measured link bandwidth for the codecs' payoff checks (f64 bits).
     bandwidth: Arc<AtomicU64>,
     /// The memory digest, hashed as pages go rather than during downtime.
-    digest: Option<digest::IncrementalDigest>,
+    digest: Option<digest::BackgroundDigest>,
 }
 
 impl SourceRun<'_> {
@@ -387,17 +387,14 @@ impl SourceRun<'_> {
         }
     }
 
-    /// Hashes the pages just sent (all memory the first time) and their
-    /// regions, on every core: the guest runs meanwhile, except in
-    /// stop-and-copy. It runs between iterations, so iteration 0's full
-    /// pass delays iteration 1 (a background hasher would overlap it).
+    /// Hands the pages just sent to the digest thread, which hashes them
+    /// (all memory the first time) while the next iteration runs.
     fn refresh_digest(&mut self, sent: &[u64]) {
         let vm = self.vm;
-        let digest =
-            self.digest.get_or_insert_with(|| digest::IncrementalDigest::new(vm.memory(), self.options.digest_region));
-        digest.mark(sent);
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-        digest.refresh(vm.memory(), threads);
+        let digest = self
+            .digest
+            .get_or_insert_with(|| digest::BackgroundDigest::start(vm.memory().clone(), self.options.digest_region));
+        digest.mark(sent.to_vec());
     }
 
     /// Each stage's busy share so far, for the progress bar.
@@ -504,9 +501,10 @@ impl SourceRun<'_> {
         let blob = vm.state_blob()?;
         self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
-        // Only the regions of the last pages need hashing now.
+        // Only the last pages (and what the hasher has not reached) need
+        // hashing now.
         self.refresh_digest(&pending);
-        let hashes = self.digest.take().expect("pre-copy hashed memory").hashes().to_vec();
+        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
         let digest_payload = digest::encode(self.options.digest_region, &hashes);
         self.write_control(FrameKind::Digest, &digest_payload)?;
         self.stats.bytes_on_wire = self.engine().bytes();

@@ -3,13 +3,15 @@
 //! into plain memory ([`crate::replay`]) is the other, so the same engine
 //! runs where there is no /dev/kvm.
 
+use std::sync::Arc;
+
 use tsubame_vmm::memory::GuestMemory;
 use tsubame_vmm::{VcpuStatus, Vm, VmError};
 
 /// A migratable memory with a dirty log.
 pub trait SourceVm: Sync {
-    /// Guest memory.
-    fn memory(&self) -> &GuestMemory;
+    /// Guest memory (shared: the digest thread hashes it too).
+    fn memory(&self) -> &Arc<GuestMemory>;
     /// Its size in bytes.
     fn memory_bytes(&self) -> u64;
     /// Running, paused, halted.
@@ -34,7 +36,7 @@ pub trait SourceVm: Sync {
 }
 
 impl SourceVm for Vm {
-    fn memory(&self) -> &GuestMemory {
+    fn memory(&self) -> &Arc<GuestMemory> {
         Vm::memory(self)
     }
     fn memory_bytes(&self) -> u64 {
