@@ -79,67 +79,98 @@ impl IncrementalDigest {
     pub fn refresh(&mut self, mem: &GuestMemory, threads: usize) -> usize {
         let per_region = self.pages_per_region();
         let count = self.regions.len();
-        let threads = threads.clamp(1, count.max(1));
-        let regions_per_thread = count.div_ceil(threads);
+        // Threads pay only for real work (and a short-lived thread's
+        // teardown outlives its scope, which leak checkers flag).
+        let stale = self.stale_pages.iter().filter(|&&s| s).count();
+        let threads = if stale * PAGE < MIN_BYTES_PER_THREAD { 1 } else { threads.clamp(1, count.max(1)) };
+        let regions_per_thread = count.div_ceil(threads).max(1);
         let pagemap = memory::Pagemap::open().ok();
-        let pagemap = &pagemap;
-        let zero_page = xxh3_64(&[0u8; PAGE]);
-        let hashed = std::sync::atomic::AtomicUsize::new(0);
-        let hashed_ref = &hashed;
         let chunks = self
             .regions
             .chunks_mut(regions_per_thread)
             .zip(self.stale_regions.chunks_mut(regions_per_thread))
             .zip(self.pages.chunks_mut(regions_per_thread * per_region))
-            .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region));
-        std::thread::scope(|scope| {
-            for (t, (((regions, stale_regions), pages), stale_pages)) in chunks.enumerate() {
-                if !stale_regions.contains(&true) {
-                    continue;
-                }
-                scope.spawn(move || {
-                    let mut page = [0u8; PAGE];
-                    let mut populated = vec![true; per_region];
-                    let mut combined = Vec::with_capacity(per_region * 8);
-                    let mut n = 0;
-                    for (r, (hash, stale)) in regions.iter_mut().zip(stale_regions.iter_mut()).enumerate() {
-                        if !std::mem::take(stale) {
-                            continue;
-                        }
-                        let first = r * per_region;
-                        let last = (first + per_region).min(pages.len());
-                        let first_page = (t * regions_per_thread * per_region + first) as u64;
-                        let populated = &mut populated[..last - first];
-                        if pagemap.as_ref().is_none_or(|p| p.populated(mem, first_page, populated).is_err()) {
-                            populated.fill(true);
-                        }
-                        for i in first..last {
-                            if !std::mem::take(&mut stale_pages[i]) {
-                                continue;
-                            }
-                            pages[i] = if populated[i - first] {
-                                memory::read_page(mem, first_page + (i - first) as u64, &mut page)
-                                    .expect("page inside guest memory");
-                                xxh3_64(&page)
-                            } else {
-                                zero_page
-                            };
-                            n += 1;
-                        }
-                        combined.clear();
-                        combined.extend(pages[first..last].iter().flat_map(|h| h.to_le_bytes()));
-                        *hash = xxh3_64(&combined);
-                    }
-                    hashed_ref.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                });
-            }
-        });
-        hashed.into_inner()
+            .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region))
+            .enumerate()
+            .map(|(t, (((regions, stale_regions), pages), stale_pages))| Slice {
+                first_page: (t * regions_per_thread * per_region) as u64,
+                per_region,
+                regions,
+                stale_regions,
+                pages,
+                stale_pages,
+            });
+        if threads == 1 {
+            chunks.map(|slice| slice.hash(mem, pagemap.as_ref())).sum()
+        } else {
+            let pagemap = pagemap.as_ref();
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = chunks
+                    .filter(|slice| slice.stale_regions.contains(&true))
+                    .map(|slice| scope.spawn(move || slice.hash(mem, pagemap)))
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("digest thread")).sum()
+            })
+        }
     }
 
     /// The region hashes (valid after a refresh with the guest paused).
     pub fn hashes(&self) -> &[u64] {
         &self.regions
+    }
+}
+
+/// Less stale memory than this is hashed on the calling thread alone.
+const MIN_BYTES_PER_THREAD: usize = 64 << 20;
+
+/// One thread's share of an [`IncrementalDigest`]: whole regions.
+struct Slice<'a> {
+    first_page: u64,
+    per_region: usize,
+    regions: &'a mut [u64],
+    stale_regions: &'a mut [bool],
+    pages: &'a mut [u64],
+    stale_pages: &'a mut [bool],
+}
+
+impl Slice<'_> {
+    /// Hashes the stale pages and their regions; returns the pages hashed.
+    fn hash(self, mem: &GuestMemory, pagemap: Option<&memory::Pagemap>) -> usize {
+        let per_region = self.per_region;
+        let zero_page = xxh3_64(&[0u8; PAGE]);
+        let mut page = [0u8; PAGE];
+        let mut populated = vec![true; per_region];
+        let mut combined = Vec::with_capacity(per_region * 8);
+        let mut n = 0;
+        for (r, (hash, stale)) in self.regions.iter_mut().zip(self.stale_regions.iter_mut()).enumerate() {
+            if !std::mem::take(stale) {
+                continue;
+            }
+            let first = r * per_region;
+            let last = (first + per_region).min(self.pages.len());
+            let first_page = self.first_page + first as u64;
+            let populated = &mut populated[..last - first];
+            if pagemap.is_none_or(|p| p.populated(mem, first_page, populated).is_err()) {
+                populated.fill(true);
+            }
+            for i in first..last {
+                if !std::mem::take(&mut self.stale_pages[i]) {
+                    continue;
+                }
+                self.pages[i] = if populated[i - first] {
+                    memory::read_page(mem, first_page + (i - first) as u64, &mut page)
+                        .expect("page inside guest memory");
+                    xxh3_64(&page)
+                } else {
+                    zero_page
+                };
+                n += 1;
+            }
+            combined.clear();
+            combined.extend(self.pages[first..last].iter().flat_map(|h| h.to_le_bytes()));
+            *hash = xxh3_64(&combined);
+        }
+        n
     }
 }
 
@@ -324,6 +355,13 @@ mod tests {
         assert_eq!(incremental.refresh(&mem, 2), 2);
         assert_eq!(incremental.hashes(), memory_digest(&mem, 256 << 10, 2));
         assert_eq!(incremental.refresh(&mem, 2), 0);
+
+        // Enough memory for the threaded path: the same hashes as one thread.
+        let big = memory::create(128 << 20, false).unwrap();
+        memory::write(&big, 100 << 20, &[9; 4096]).unwrap();
+        let mut one = IncrementalDigest::new(&big, 256 << 10);
+        one.refresh(&big, 1);
+        assert_eq!(one.hashes(), memory_digest(&big, 256 << 10, 2));
     }
 
     #[test]
