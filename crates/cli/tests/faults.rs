@@ -33,9 +33,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{kvm_or_skip, scratch, try_control as control, tsubame, wait_for_socket, Proc};
+use common::{kvm_or_skip, read_raw_frame, scratch, try_control as control, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
-use tsubame_migrate::wire::{self, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
+use tsubame_migrate::wire::{self, FrameKind, PREAMBLE_LEN};
 
 /// xorshift64*: enough randomness for choosing fault points.
 struct Rng(u64);
@@ -164,16 +164,7 @@ impl Proxy {
     fn relay(self: &Arc<Self>, mut from: UnixStream, mut to: UnixStream, to_dest: bool) {
         let mut preamble = [0u8; PREAMBLE_LEN];
         if from.read_exact(&mut preamble).is_ok() && to.write_all(&preamble).is_ok() {
-            loop {
-                let mut header = [0u8; FRAME_HEADER_LEN];
-                if from.read_exact(&mut header).is_err() {
-                    break;
-                }
-                let Ok((kind, len)) = wire::parse_header(&header) else { break };
-                let mut payload = vec![0u8; len];
-                if from.read_exact(&mut payload).is_err() {
-                    break;
-                }
+            while let Some((header, kind, payload)) = read_raw_frame(&mut from) {
                 if !self.on_frame(kind, &payload, to_dest, &mut to) {
                     break;
                 }

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
+use common::{control, kvm_or_skip, read_raw_frame, scratch, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
-use tsubame_migrate::wire::{self, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
+use tsubame_migrate::wire::{FrameKind, PREAMBLE_LEN};
 
 /// A source VM (`run --control`) and a destination (`receive --control`).
 struct Pair {
@@ -210,16 +210,7 @@ fn start_proxy(listen: &Path, target: PathBuf, fault: Fault, dest_pid: u32) -> s
                 return;
             }
             let mut pages = 0;
-            loop {
-                let mut header = [0u8; FRAME_HEADER_LEN];
-                if from.read_exact(&mut header).is_err() {
-                    break;
-                }
-                let Ok((kind, len)) = wire::parse_header(&header) else { break };
-                let mut payload = vec![0u8; len];
-                if from.read_exact(&mut payload).is_err() {
-                    break;
-                }
+            while let Some((header, kind, mut payload)) = read_raw_frame(&mut from) {
                 if kind == FrameKind::Pages && to_dest {
                     pages += 1;
                 }

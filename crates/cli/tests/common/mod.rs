@@ -75,3 +75,16 @@ impl Drop for Proc {
         let _ = self.0.wait();
     }
 }
+
+/// Reads one whole frame as it travels (header and payload, unchecked
+/// beyond the header), for the tests' man-in-the-middle proxies.
+pub fn read_raw_frame(
+    from: &mut impl std::io::Read,
+) -> Option<([u8; tsubame_migrate::wire::FRAME_HEADER_LEN], tsubame_migrate::wire::FrameKind, Vec<u8>)> {
+    let mut header = [0u8; tsubame_migrate::wire::FRAME_HEADER_LEN];
+    from.read_exact(&mut header).ok()?;
+    let (kind, len) = tsubame_migrate::wire::parse_header(&header).ok()?;
+    let mut payload = vec![0u8; len];
+    from.read_exact(&mut payload).ok()?;
+    Some((header, kind, payload))
+}
