@@ -633,7 +633,7 @@ impl<'a> StreamReceiver<'a> {
         }
         let page_count = memory::page_count(&mem);
         let marks = Arc::new(PageMarks::new(page_count));
-        let shard_list = crate::pipeline::shard_codecs(&codecs, hello.shards);
+        let shard_list = crate::pipeline::shard_codecs(&codecs, hello.shards, hello.memory_bytes);
         let granularity = hello.granularity as usize;
         let mut to_shards = Vec::new();
         let mut workers = Vec::new();

@@ -79,9 +79,12 @@ impl ShardLayout {
     }
 }
 
-/// The codec list of one shard: the caches split evenly.
-pub fn shard_codecs(codecs: &CodecList, shards: u16) -> CodecList {
-    let split = |bytes: usize| (bytes / shards as usize).max(2 * PAGE_SIZE);
+/// The codec list of one shard: the caches split evenly, and none larger
+/// than guest memory (more could never be used, and the destination
+/// allocates what the source's HELLO names). Both ends compute it alike.
+pub fn shard_codecs(codecs: &CodecList, shards: u16, memory_bytes: u64) -> CodecList {
+    let memory = usize::try_from(memory_bytes).unwrap_or(usize::MAX);
+    let split = |bytes: usize| (bytes.min(memory) / shards as usize).max(2 * PAGE_SIZE);
     CodecList { xbzrle: codecs.xbzrle.map(split), dedup: codecs.dedup.map(split), ..codecs.clone() }
 }
 
@@ -227,7 +230,7 @@ fn open_gpu(gpu: GpuOffload, codecs: &CodecList, batch_pages: usize) -> Result<B
 impl ShardEncoder {
     /// The encoder of `shard`; fails only when `--gpu` finds no GPU.
     pub fn new(shard: u16, setup: &EncoderSetup) -> Result<ShardEncoder, GpuError> {
-        let codecs = shard_codecs(setup.codecs, setup.layout.shards);
+        let codecs = shard_codecs(setup.codecs, setup.layout.shards, setup.pages_total * PAGE_SIZE as u64);
         let gpu = match setup.gpu {
             Some(gpu) => Some(open_gpu(gpu, &codecs, setup.layout.batch_pages as usize)?),
             None => None,
@@ -1112,9 +1115,13 @@ mod tests {
     #[test]
     fn caches_split_across_shards() {
         let codecs: CodecList = "zero,xbzrle=64M,dedup=8M".parse().unwrap();
-        let split = shard_codecs(&codecs, 4);
+        let split = shard_codecs(&codecs, 4, 1 << 30);
         assert_eq!(split.xbzrle, Some(16 << 20));
         assert_eq!(split.dedup, Some(2 << 20));
         assert!(split.zero);
+        // A cache larger than memory is cut to memory: a hostile HELLO
+        // cannot make the destination allocate more.
+        let huge: CodecList = "zero,xbzrle=38G".parse().unwrap();
+        assert_eq!(shard_codecs(&huge, 2, 32 << 20).xbzrle, Some(16 << 20));
     }
 }
