@@ -98,6 +98,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         io_timeout: Duration::from_secs(args.timeout),
         hugepages: !args.no_hugepages,
         security,
+        ..ReceiveOptions::default()
     };
     let listener = Listener::bind(&addr)?;
     if args.memory_only {

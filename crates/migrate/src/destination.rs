@@ -5,7 +5,7 @@
 //! on any failure the half-built VM is dropped and the source told why.
 
 use std::io::{BufReader, Read, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use tsubame_vmm::memory::GuestMemory;
 use tsubame_vmm::{memory, Vm, VmConfig, VmState, PAGE_SIZE};
 
+use crate::buffer_budget::{recycle, BufferBudget, Lease};
 use crate::digest::{self, BackgroundDigest};
 use crate::pages::{for_each_record, for_each_subpage, Encoding};
 use crate::stats::process_cpu_seconds;
@@ -33,6 +34,9 @@ pub struct ReceiveOptions {
     /// What the source's extra channels must pass (channel 0 is
     /// protected by whoever accepted it).
     pub security: crate::transport::Security,
+    /// Frame bytes held at once across all channels and decoders; a peer
+    /// that sends faster than they decode waits (docs/security.md).
+    pub in_flight_limit: usize,
 }
 
 impl Default for ReceiveOptions {
@@ -42,6 +46,7 @@ impl Default for ReceiveOptions {
             io_timeout: Duration::from_secs(30),
             hugepages: true,
             security: Default::default(),
+            in_flight_limit: crate::buffer_budget::IN_FLIGHT_LIMIT,
         }
     }
 }
@@ -209,7 +214,7 @@ fn unpack(frame: &[u8], decompressor: &mut BatchDecompressor, out: &mut Vec<u8>)
     let id = f.u8()?;
     let len = f.u32()? as usize;
     decompressor
-        .decompress(id, f.rest(), len, wire::MAX_PAYLOAD, out)
+        .decompress(id, f.rest(), len, wire::MAX_UNPACKED, out)
         .map_err(|e| WireError::BadField { field: "pages_compressed", detail: e.to_string() })?;
     if crate::pages::shard_of(FrameKind::Pages, out)? != crate::pages::shard_of(FrameKind::PagesCompressed, frame)? {
         return Err(WireError::BadField {
@@ -462,7 +467,11 @@ struct Shared {
     /// blocked reads.
     streams: Mutex<Vec<Stream>>,
     /// The source finished: a closed channel is expected now.
-    done: std::sync::atomic::AtomicBool,
+    done: AtomicBool,
+    /// Set on the first failure: ends waits for the buffer budget.
+    stopped: Arc<AtomicBool>,
+    /// The frame bytes every channel and decoder hold together.
+    budget: Arc<BufferBudget>,
 }
 
 impl Shared {
@@ -472,6 +481,7 @@ impl Shared {
             *failure = Some(e);
         }
         drop(failure);
+        self.stopped.store(true, Ordering::Release);
         for s in self.streams.lock().unwrap().iter() {
             s.shutdown_read();
         }
@@ -499,8 +509,9 @@ impl Shared {
 
 /// Work for a shard's decoder.
 enum ShardWork {
-    /// A PAGES or PAGES_COMPRESSED frame; the buffer goes back to `pool`.
-    Frame { kind: FrameKind, payload: Vec<u8>, pool: Sender<Vec<u8>> },
+    /// A PAGES or PAGES_COMPRESSED frame; the buffer goes back to `pool`,
+    /// and its bytes to the budget when `lease` drops.
+    Frame { kind: FrameKind, payload: Vec<u8>, pool: Sender<Vec<u8>>, lease: Lease },
     /// Every earlier frame of this shard belongs to iterations ≤ this.
     End(u32),
 }
@@ -516,8 +527,8 @@ struct Dispatcher {
 
 impl Dispatcher {
     /// Passes a pages frame held in `frame` on (swapping in a free buffer).
-    fn pages(&self, kind: FrameKind, frame: &mut Vec<u8>) -> Result<(), ReceiveError> {
-        let shard = crate::pages::shard_of(kind, frame)?;
+    fn pages(&self, kind: FrameKind, frame: &mut LeasedFrame) -> Result<(), ReceiveError> {
+        let shard = crate::pages::shard_of(kind, &frame.buf)?;
         if shard as usize >= self.to_shards.len() || shard % self.channels != self.channel {
             return Err(WireError::BadField {
                 field: "pages.shard",
@@ -525,10 +536,11 @@ impl Dispatcher {
             }
             .into());
         }
+        let lease = frame.lease.take().expect("a frame read holds its lease");
         let spare = self.pool_rx.recv().map_err(|_| stopped())?;
-        let payload = std::mem::replace(frame, spare);
+        let payload = std::mem::replace(&mut frame.buf, spare);
         self.to_shards[shard as usize]
-            .send(ShardWork::Frame { kind, payload, pool: self.pool_tx.clone() })
+            .send(ShardWork::Frame { kind, payload, pool: self.pool_tx.clone(), lease })
             .map_err(|_| stopped())
     }
 
@@ -551,10 +563,36 @@ fn stopped() -> ReceiveError {
     ReceiveError::Mismatch("a receiving thread stopped".into())
 }
 
+/// A frame buffer whose payload bytes are reserved from the receive's
+/// [`BufferBudget`] while the frame is held.
+struct LeasedFrame {
+    buf: Vec<u8>,
+    lease: Option<Lease>,
+    budget: Arc<BufferBudget>,
+    stopped: Arc<AtomicBool>,
+}
+
+impl LeasedFrame {
+    fn new(budget: Arc<BufferBudget>, stopped: Arc<AtomicBool>) -> LeasedFrame {
+        LeasedFrame { buf: Vec::new(), lease: None, budget, stopped }
+    }
+
+    /// Reads the next frame, giving back the previous one's bytes first.
+    fn read(&mut self, r: &mut impl Read) -> Result<FrameKind, ReceiveError> {
+        self.lease = None;
+        recycle(&mut self.buf);
+        let (budget, stop, lease) = (&self.budget, &self.stopped, &mut self.lease);
+        wire::read_frame_reserving(r, &mut self.buf, |len| {
+            *lease = budget.reserve(len, &|| stop.load(Ordering::Acquire));
+            lease.as_ref().map(|_| ()).ok_or_else(stopped)
+        })
+    }
+}
+
 struct StreamReceiver<'a> {
     options: &'a ReceiveOptions,
     log: &'a dyn Fn(&str),
-    frame: Vec<u8>,
+    frame: LeasedFrame,
     iterations: u32,
 }
 
@@ -563,13 +601,15 @@ const BUFFERS_PER_CHANNEL: usize = 8;
 
 impl<'a> StreamReceiver<'a> {
     fn new(options: &'a ReceiveOptions, log: &'a dyn Fn(&str)) -> Self {
-        StreamReceiver { options, log, frame: Vec::new(), iterations: 0 }
+        let budget = BufferBudget::new(options.in_flight_limit);
+        StreamReceiver { options, log, frame: LeasedFrame::new(budget, Arc::default()), iterations: 0 }
     }
 
     fn next(&mut self, reader: &mut impl Read) -> Result<FrameKind, ReceiveError> {
-        match wire::read_frame(reader, &mut self.frame)? {
+        match self.frame.read(reader)? {
             FrameKind::Error => Err(ReceiveError::SourceAborted(
-                String::from_utf8_lossy(&self.frame[..self.frame.len().min(wire::MAX_ERROR_MESSAGE)]).into_owned(),
+                String::from_utf8_lossy(&self.frame.buf[..self.frame.buf.len().min(wire::MAX_ERROR_MESSAGE)])
+                    .into_owned(),
             )),
             kind => Ok(kind),
         }
@@ -585,7 +625,7 @@ impl<'a> StreamReceiver<'a> {
         wire::write_preamble(writer, wire::VERSION)?;
         wire::read_preamble(reader)?;
         let hello = match self.next(reader)? {
-            FrameKind::Hello => Hello::decode(&self.frame)?,
+            FrameKind::Hello => Hello::decode(&self.frame.buf)?,
             other => return Err(WireError::Unexpected { got: other, expected: "HELLO" }.into()),
         };
         if let Some(expected) = self.options.expect_memory {
@@ -626,7 +666,9 @@ impl<'a> StreamReceiver<'a> {
             changed: Condvar::new(),
             failure: Mutex::new(None),
             streams: Mutex::new(extra.iter().map(|s| s.try_clone()).collect::<Result<_, _>>()?),
-            done: std::sync::atomic::AtomicBool::new(false),
+            done: AtomicBool::new(false),
+            stopped: self.frame.stopped.clone(),
+            budget: self.frame.budget.clone(),
         });
         if let Some(source) = channels {
             shared.streams.lock().unwrap().push(source.first.try_clone()?);
@@ -740,11 +782,11 @@ impl<'a> StreamReceiver<'a> {
                     main.pages(kind, &mut self.frame).map_err(with_failure)?
                 }
                 FrameKind::IterationEnd => {
-                    last_iteration = Some(main.end(&self.frame).map_err(with_failure)?);
+                    last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);
                     self.iterations += 1;
                     digest.mark(marks.take_written());
                 }
-                FrameKind::State => break std::mem::take(&mut self.frame),
+                FrameKind::State => break std::mem::take(&mut self.frame.buf),
                 other => {
                     return Err(WireError::Unexpected { got: other, expected: "PAGES, ITERATION_END or STATE" }.into())
                 }
@@ -767,7 +809,7 @@ impl<'a> StreamReceiver<'a> {
         let mut rounds = 0;
         let mut repair_iteration = final_iteration;
         loop {
-            let mismatched = digest::compare(&self.frame, digest.region(), &ours)?;
+            let mismatched = digest::compare(&self.frame.buf, digest.region(), &ours)?;
             let Some(&first) = mismatched.first() else { break };
             if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > digest::MAX_MISMATCH {
                 return Err(ReceiveError::DigestMismatch {
@@ -783,7 +825,7 @@ impl<'a> StreamReceiver<'a> {
             loop {
                 match self.next(reader).map_err(with_failure)? {
                     kind @ FrameKind::Pages => main.pages(kind, &mut self.frame).map_err(with_failure)?,
-                    FrameKind::IterationEnd => repair_iteration = main.end(&self.frame).map_err(with_failure)?,
+                    FrameKind::IterationEnd => repair_iteration = main.end(&self.frame.buf).map_err(with_failure)?,
                     FrameKind::Digest => break,
                     other => return Err(WireError::Unexpected { got: other, expected: "PAGES or DIGEST" }.into()),
                 }
@@ -799,16 +841,16 @@ impl<'a> StreamReceiver<'a> {
 /// An extra channel: reads frames and hands them to its shards' decoders.
 fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<AtomicU64>, shared: Arc<Shared>) {
     let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes };
-    let mut frame = Vec::new();
+    let mut frame = LeasedFrame::new(shared.budget.clone(), shared.stopped.clone());
     loop {
-        let result = match wire::read_frame(&mut reader, &mut frame) {
+        let result = match frame.read(&mut reader) {
             Ok(kind @ (FrameKind::Pages | FrameKind::PagesCompressed | FrameKind::PagesZeroCopy)) => {
                 dispatch.pages(kind, &mut frame)
             }
-            Ok(FrameKind::IterationEnd) => dispatch.end(&frame).map(|_| ()),
+            Ok(FrameKind::IterationEnd) => dispatch.end(&frame.buf).map(|_| ()),
             Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),
             Err(_) if shared.done.load(Ordering::Acquire) => return,
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         };
         if let Err(e) = result {
             if !shared.done.load(Ordering::Acquire) {
@@ -835,7 +877,7 @@ impl ShardWorker {
         let mut unpacked = Vec::new();
         while let Ok(work) = input.recv() {
             let result = match work {
-                ShardWork::Frame { kind, payload, pool } => {
+                ShardWork::Frame { kind, mut payload, pool, lease } => {
                     let r = if kind == FrameKind::PagesCompressed {
                         unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| {
                             apply_pages(&unpacked, &self.mem, self.granularity, &self.marks, &mut self.decoder)
@@ -843,7 +885,10 @@ impl ShardWorker {
                     } else {
                         apply_pages(&payload, &self.mem, self.granularity, &self.marks, &mut self.decoder)
                     };
+                    recycle(&mut payload);
+                    recycle(&mut unpacked);
                     let _ = pool.send(payload);
+                    drop(lease);
                     r
                 }
                 ShardWork::End(iteration) => {

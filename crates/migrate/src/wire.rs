@@ -30,6 +30,10 @@ pub const FRAME_HEADER_LEN: usize = 12;
 pub const MAX_PAYLOAD: usize = 16 << 20;
 /// Longest error message carried.
 pub const MAX_ERROR_MESSAGE: usize = 4096;
+/// Largest PAGES payload inside a PAGES_COMPRESSED frame: a source packs
+/// at most 256 records (~1 MiB) per frame, so 2 MiB bounds what each
+/// decoder holds for unpacking.
+pub const MAX_UNPACKED: usize = 2 << 20;
 
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,11 +230,23 @@ pub fn parse_header(h: &[u8; FRAME_HEADER_LEN]) -> Result<(FrameKind, usize), Wi
 /// Reads one frame into `buf` (reused across calls); checks length cap
 /// before allocating and the CRC before returning.
 pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<FrameKind, WireError> {
+    read_frame_reserving(r, buf, |_| Ok(()))
+}
+
+/// [`read_frame`], asking `reserve` for the payload's length after the
+/// header is checked and before the buffer grows (the destination's cap on
+/// the bytes a peer makes it hold).
+pub fn read_frame_reserving<E: From<WireError>>(
+    r: &mut impl Read,
+    buf: &mut Vec<u8>,
+    reserve: impl FnOnce(usize) -> Result<(), E>,
+) -> Result<FrameKind, E> {
     let mut h = [0u8; FRAME_HEADER_LEN];
-    r.read_exact(&mut h)?;
+    r.read_exact(&mut h).map_err(WireError::from)?;
     let (kind, len) = parse_header(&h)?;
+    reserve(len)?;
     buf.resize(len, 0);
-    r.read_exact(buf)?;
+    r.read_exact(buf).map_err(WireError::from)?;
     let want = u32::from_le_bytes(h[8..12].try_into().unwrap());
     let got = match kind {
         FrameKind::PagesZeroCopy => zero_copy_crc(&h, buf),
@@ -239,7 +255,7 @@ pub fn read_frame(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<FrameKind, Wir
     let got = got.unwrap_or(!want);
     // Fuzz builds skip the check so mutations reach the parsers behind it.
     if want != got && !cfg!(fuzzing) {
-        return Err(WireError::BadCrc { kind });
+        return Err(WireError::BadCrc { kind }.into());
     }
     Ok(kind)
 }

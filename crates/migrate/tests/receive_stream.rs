@@ -23,6 +23,17 @@ fn recorded_stream_lands_and_commits() {
 }
 
 #[test]
+fn a_one_byte_buffer_budget_still_lands_the_stream() {
+    // Every frame then waits until the decoders gave back all others: the
+    // cap slows a receive down, it never wedges it.
+    let mut landing = MemoryLanding { max_bytes: 32 << 20, memory: None, started: false };
+    let options = ReceiveOptions { in_flight_limit: 1, ..ReceiveOptions::default() };
+    let result = receive_stream(&mut &RECORDED[..], &mut Vec::new(), &mut landing, &options);
+    assert!(result.is_ok(), "{:?}", result.err());
+    assert!(landing.started);
+}
+
+#[test]
 fn truncated_streams_never_commit() {
     for cut in (0..RECORDED.len() - 1).step_by(997) {
         let (result, landing) = land(&RECORDED[..cut]);
