@@ -174,6 +174,7 @@ impl Host {
             duration: Duration::from_secs_f64(number("seconds", 10.0)?),
             granularity: number("granularity", 128.0)? as u32,
             workload: self.description.clone(),
+            native_ops_per_sec: self.console.snapshot().ops_per_sec as u64,
         };
         if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active(_)) {
             return Err("the VM is migrating; trace it before or after".into());
@@ -182,7 +183,8 @@ impl Host {
             return Err("a trace is already being recorded".into());
         }
         let result = std::fs::File::create(out).map_err(|e| format!("cannot create {out}: {e}")).and_then(|file| {
-            recorder::record(&self.vm, std::io::BufWriter::new(file), &options).map_err(|e| e.to_string())
+            let guest_ops = || self.console.snapshot().ops;
+            recorder::record(&self.vm, std::io::BufWriter::new(file), &options, &guest_ops).map_err(|e| e.to_string())
         });
         self.tracing.store(false, Ordering::Release);
         Ok(serde_json::to_value(result?).expect("summary serializes"))

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::json;
 use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
-use tsubame_trace::simulate::{simulate, Method, SimOptions};
+use tsubame_trace::simulate::{simulate, GuestClock, Method, SimOptions};
 use tsubame_trace::Trace;
 
 use crate::control::ControlClient;
@@ -81,6 +81,24 @@ fn methods(text: &str) -> anyhow::Result<Vec<Method>> {
     text.split(',').map(|m| m.parse::<Method>().map_err(|e| usage_error(format!("--method: {e}")))).collect()
 }
 
+/// Says how the trace is replayed: on the guest's work clock (with what
+/// a fault costs) or, for traces without the guest's ops, on wall time.
+fn print_clock(trace: &Trace) {
+    let clock = GuestClock::of(trace);
+    if trace.has_guest_ops() {
+        println!(
+            "replayed by guest work: {:.2} s of undisturbed work in {:.2} s traced ({:.0} ops/s before tracing), \
+             a write-protect fault costs the guest {:.1} us",
+            clock.span,
+            trace.duration_s(),
+            trace.setup.native_ops_per_sec,
+            clock.fault_s * 1e6
+        );
+    } else {
+        println!("replayed on wall time (the trace has no guest ops counter: recorded by an older tsubame)");
+    }
+}
+
 /// Options of `tsubame simulate`.
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -103,12 +121,32 @@ pub struct SimulateArgs {
     /// RDMA paper's model): 0.5 replays the trace at half speed.
     #[arg(long, default_value_t = 1.0)]
     pub guest_speed: f64,
+    /// Whether the migrating VM's memory is backed by 2 MiB pages: auto
+    /// (as when traced), yes or no. Under KVM the first write after
+    /// write-protection dirties a whole 2 MiB piece once.
+    #[arg(long, default_value = "auto")]
+    pub huge_pages: String,
+    /// Write a PNG of the remaining bytes per iteration, one line per method.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Write the results as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
-fn sim_options(bandwidth: &str, limit: &str, max_iterations: u32, guest_speed: f64) -> anyhow::Result<SimOptions> {
+fn sim_options(
+    bandwidth: &str,
+    limit: &str,
+    max_iterations: u32,
+    guest_speed: f64,
+    huge_pages: &str,
+) -> anyhow::Result<SimOptions> {
+    let huge_pages = match huge_pages {
+        "auto" => None,
+        "yes" => Some(true),
+        "no" => Some(false),
+        other => return Err(usage_error(format!("--huge-pages: '{other}' is not auto, yes or no"))),
+    };
     if !(guest_speed > 0.0 && guest_speed <= 10.0) {
         return Err(usage_error("--guest-speed must be in (0, 10]"));
     }
@@ -117,12 +155,13 @@ fn sim_options(bandwidth: &str, limit: &str, max_iterations: u32, guest_speed: f
     if max_iterations == 0 {
         return Err(usage_error("--max-iterations must be at least 1"));
     }
-    Ok(SimOptions { bandwidth, downtime_limit: limit.as_secs_f64(), max_iterations, guest_speed })
+    Ok(SimOptions { bandwidth, downtime_limit: limit.as_secs_f64(), max_iterations, guest_speed, huge_pages })
 }
 
 /// Runs `tsubame simulate`.
 pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
-    let options = sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed)?;
+    let options =
+        sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed, &args.huge_pages)?;
     let methods = methods(&args.method)?;
     let trace = open_trace(&args.trace)?;
     println!(
@@ -134,6 +173,7 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
         trace.setup.granularity,
         format_bytes(options.bandwidth as u64)
     );
+    print_clock(&trace);
     let results: Vec<_> = methods.iter().map(|&m| simulate(&trace, m, &options)).collect();
     let rows = results.iter().map(|r| r.iterations.len()).max().unwrap_or(0);
     print!("{:>9}", "iteration");
@@ -215,9 +255,9 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         "method", "bandwidth", "converges", "iterations", "total (s)", "downtime (ms)"
     );
     for text in args.bandwidths.split(',') {
-        let options = sim_options(text, &args.downtime_limit, args.max_iterations, 1.0 - args.beta)?;
+        let options = sim_options(text, &args.downtime_limit, args.max_iterations, 1.0 - args.beta, "auto")?;
         for method in Method::ALL {
-            let p = predict(&trace, &model, method, &options, args.beta);
+            let p = predict(&trace, &model, method, &options);
             println!(
                 "{:<12} {:>10} {:>10} {:>12} {:>11.2} {:>12.0}",
                 method.name(),

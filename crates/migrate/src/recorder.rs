@@ -24,6 +24,8 @@ pub struct RecordOptions {
     pub granularity: u32,
     /// The guest's workload command line, for the header.
     pub workload: String,
+    /// The guest's ops per second before recording (0: unknown).
+    pub native_ops_per_sec: u64,
 }
 
 /// Why recording failed.
@@ -53,8 +55,16 @@ pub struct RecordSummary {
     pub longest_tick_ms: f64,
 }
 
-/// Records `vm` into `out`. The VM keeps running throughout.
-pub fn record(vm: &Vm, out: impl Write, options: &RecordOptions) -> Result<RecordSummary, RecordError> {
+/// Records `vm` into `out`. The VM keeps running throughout. `guest_ops`
+/// tells the guest's ops counter (its latest progress line), written with
+/// each interval so that replay can follow the guest's work, which dirty
+/// logging slows, rather than wall time.
+pub fn record(
+    vm: &Vm,
+    out: impl Write,
+    options: &RecordOptions,
+    guest_ops: &dyn Fn() -> u64,
+) -> Result<RecordSummary, RecordError> {
     crate::subpage::check_granularity(options.granularity).map_err(RecordError::BadOptions)?;
     if options.interval < Duration::from_millis(1) || options.duration < options.interval {
         return Err(RecordError::BadOptions("interval must be at least 1 ms and no longer than the recording".into()));
@@ -99,6 +109,8 @@ pub fn record(vm: &Vm, out: impl Write, options: &RecordOptions) -> Result<Recor
             granularity: options.granularity,
             interval_us: options.interval.as_micros() as u32,
             workload: options.workload.clone(),
+            native_ops_per_sec: options.native_ops_per_sec,
+            huge_pages: vm.hugepages(),
         };
         let mut writer = TraceWriter::new(out, &setup, &nonzero)?;
         let mut summary = RecordSummary {
@@ -148,7 +160,7 @@ pub fn record(vm: &Vm, out: impl Write, options: &RecordOptions) -> Result<Recor
                     }
                 }
             }
-            writer.interval(at_us, &changes)?;
+            writer.interval(at_us, guest_ops(), &changes)?;
             summary.intervals += 1;
             summary.changes += changes.len() as u64;
             summary.longest_tick_ms = summary.longest_tick_ms.max(began.elapsed().as_secs_f64() * 1e3);

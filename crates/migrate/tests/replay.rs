@@ -14,8 +14,14 @@ use tsubame_trace::format::{PageChange, Setup, Trace, TraceWriter};
 /// in one or two sub-pages, and some pages are zeroed.
 fn synthetic_trace() -> Trace {
     let pages = 4096u64;
-    let setup =
-        Setup { memory_bytes: pages * 4096, granularity: 128, interval_us: 10_000, workload: "synthetic".into() };
+    let setup = Setup {
+        memory_bytes: pages * 4096,
+        granularity: 128,
+        interval_us: 10_000,
+        workload: "synthetic".into(),
+        native_ops_per_sec: 0,
+        huge_pages: false,
+    };
     let nonzero: Vec<u64> = (0..pages / 64).map(|w| if w < pages / 128 { u64::MAX } else { 0 }).collect();
     let mut writer = TraceWriter::new(Vec::new(), &setup, &nonzero).unwrap();
     for tick in 0..100u64 {
@@ -25,7 +31,7 @@ fn synthetic_trace() -> Trace {
             .into_iter()
             .map(|page| PageChange { page, mask: 1 << (page % 32) | 1, xbzrle_bytes: 20, zero: page % 97 == 0 })
             .collect();
-        writer.interval((tick + 1) * 10_000, &changes).unwrap();
+        writer.interval((tick + 1) * 10_000, 0, &changes).unwrap();
     }
     Trace::read(writer.finish().unwrap().as_slice()).unwrap()
 }

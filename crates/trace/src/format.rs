@@ -12,8 +12,9 @@ use std::io::{Read, Write};
 
 /// First bytes of every trace file.
 pub const MAGIC: [u8; 8] = *b"TSBTRACE";
-/// Version of the layout.
-pub const VERSION: u32 = 1;
+/// Version of the layout written (2 added the guest's ops counter; 1 is
+/// still read).
+pub const VERSION: u32 = 2;
 /// Largest record accepted (an interval where all of 64 GiB changed
 /// needs ~16 M entries of a few bytes: records are split well below this).
 pub const MAX_RECORD: usize = 64 << 20;
@@ -65,6 +66,12 @@ pub struct Setup {
     pub interval_us: u32,
     /// The guest's workload command line.
     pub workload: String,
+    /// The guest's speed before recording began (no dirty logging), in
+    /// its progress lines' ops per second; 0 if unknown (version 1).
+    pub native_ops_per_sec: u64,
+    /// Guest memory asked for transparent huge pages (then KVM maps it in
+    /// 2 MiB pieces until dirty logging splits them; version 2 on).
+    pub huge_pages: bool,
 }
 
 impl Setup {
@@ -93,6 +100,9 @@ pub struct PageChange {
 pub struct Interval {
     /// Microseconds since recording started, at the dirty-log read.
     pub at_us: u64,
+    /// The guest's ops counter (its latest progress line) at the read;
+    /// 0 if unknown (version 1).
+    pub ops: u64,
     /// Pages dirtied since the previous read, ascending.
     pub changes: Vec<PageChange>,
 }
@@ -157,6 +167,8 @@ impl<W: Write> TraceWriter<W> {
         let name = setup.workload.as_bytes();
         p.extend_from_slice(&(name.len().min(1024) as u32).to_le_bytes());
         p.extend_from_slice(&name[..name.len().min(1024)]);
+        p.extend_from_slice(&setup.native_ops_per_sec.to_le_bytes());
+        p.extend_from_slice(&u32::from(setup.huge_pages).to_le_bytes());
         w.record(&p)?;
         let mut p = Vec::with_capacity(nonzero.len() * 8);
         for word in nonzero {
@@ -173,11 +185,13 @@ impl<W: Write> TraceWriter<W> {
         Ok(())
     }
 
-    /// Appends one interval (changes ascending by page).
-    pub fn interval(&mut self, at_us: u64, changes: &[PageChange]) -> Result<(), TraceError> {
+    /// Appends one interval (changes ascending by page); `ops` is the
+    /// guest's ops counter at the read.
+    pub fn interval(&mut self, at_us: u64, ops: u64, changes: &[PageChange]) -> Result<(), TraceError> {
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         buf.extend_from_slice(&at_us.to_le_bytes());
+        buf.extend_from_slice(&ops.to_le_bytes());
         buf.extend_from_slice(&(changes.len() as u32).to_le_bytes());
         let mut next = 0u64;
         for c in changes {
@@ -241,7 +255,7 @@ impl Trace {
             return Err(TraceError::BadMagic);
         }
         let version = u32::from_le_bytes(head[8..].try_into().unwrap());
-        if version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(TraceError::BadVersion(version));
         }
         let mut buf = Vec::new();
@@ -258,13 +272,22 @@ impl Trace {
         }
         let workload = String::from_utf8(c.take(name_len, "setup.workload")?.to_vec())
             .map_err(|_| bad("setup.workload", "not UTF-8"))?;
+        let (native_ops_per_sec, flags) =
+            if version >= 2 { (c.u64("setup.native_ops_per_sec")?, c.u32("setup.flags")?) } else { (0, 0) };
+        if flags > 1 {
+            return Err(bad("setup.flags", format!("{flags:#x} (only bit 0, huge pages, is defined)")));
+        }
+        if !c.bytes.is_empty() {
+            return Err(bad("setup", format!("{} trailing bytes", c.bytes.len())));
+        }
         if memory_bytes == 0 || memory_bytes > MAX_MEMORY || memory_bytes % PAGE != 0 {
             return Err(bad("setup.memory_bytes", memory_bytes.to_string()));
         }
         if !granularity.is_power_of_two() || !(64..=4096).contains(&granularity) {
             return Err(bad("setup.granularity", granularity.to_string()));
         }
-        let setup = Setup { memory_bytes, granularity, interval_us, workload };
+        let setup =
+            Setup { memory_bytes, granularity, interval_us, workload, native_ops_per_sec, huge_pages: flags == 1 };
         let pages = setup.pages();
         let words = pages.div_ceil(64) as usize;
 
@@ -279,6 +302,7 @@ impl Trace {
         let mut intervals = Vec::new();
         let mut index = 2;
         let mut last_at = 0;
+        let mut last_ops = 0;
         while read_record(&mut r, index, &mut buf)? {
             let mut c = Cursor { bytes: &buf };
             let at_us = c.u64("interval.at_us")?;
@@ -286,6 +310,11 @@ impl Trace {
                 return Err(bad("interval.at_us", format!("{at_us} goes back in time")));
             }
             last_at = at_us;
+            let ops = if version >= 2 { c.u64("interval.ops")? } else { 0 };
+            if ops < last_ops {
+                return Err(bad("interval.ops", format!("{ops} goes back from {last_ops}")));
+            }
+            last_ops = ops;
             let count = c.u32("interval.count")? as u64;
             if count > pages {
                 return Err(bad("interval.count", format!("{count} changes for {pages} pages")));
@@ -317,7 +346,7 @@ impl Trace {
             if !c.bytes.is_empty() {
                 return Err(bad("interval", format!("{} trailing bytes", c.bytes.len())));
             }
-            intervals.push(Interval { at_us, changes });
+            intervals.push(Interval { at_us, ops, changes });
             index += 1;
         }
         Ok(Trace { setup, nonzero, intervals })
@@ -336,6 +365,14 @@ impl Trace {
     /// Number of pages non-zero at the start.
     pub fn nonzero_pages(&self) -> u64 {
         self.nonzero.iter().map(|w| w.count_ones() as u64).sum()
+    }
+
+    /// Whether the trace knows the guest's progress (ops counter and its
+    /// speed before recording), so replay can follow guest work rather
+    /// than wall time.
+    pub fn has_guest_ops(&self) -> bool {
+        self.setup.native_ops_per_sec > 0
+            && self.intervals.last().zip(self.intervals.first()).is_some_and(|(l, f)| l.ops > f.ops)
     }
 }
 
@@ -381,18 +418,25 @@ mod tests {
     use super::*;
 
     fn sample() -> (Setup, Vec<u64>, Vec<Interval>) {
-        let setup =
-            Setup { memory_bytes: 1 << 20, granularity: 128, interval_us: 10_000, workload: "workload=kv".into() };
+        let setup = Setup {
+            memory_bytes: 1 << 20,
+            granularity: 128,
+            interval_us: 10_000,
+            workload: "workload=kv".into(),
+            native_ops_per_sec: 1_000_000,
+            huge_pages: true,
+        };
         let nonzero = vec![0b1011, 0, 0, 0];
         let intervals = vec![
             Interval {
                 at_us: 10_000,
+                ops: 5_000,
                 changes: vec![
                     PageChange { page: 3, mask: 1, xbzrle_bytes: 12, zero: false },
                     PageChange { page: 200, mask: u32::MAX as u64, xbzrle_bytes: 4096, zero: true },
                 ],
             },
-            Interval { at_us: 20_000, changes: vec![] },
+            Interval { at_us: 20_000, ops: 9_000, changes: vec![] },
         ];
         (setup, nonzero, intervals)
     }
@@ -401,7 +445,7 @@ mod tests {
         let (setup, nonzero, intervals) = sample();
         let mut w = TraceWriter::new(Vec::new(), &setup, &nonzero).unwrap();
         for i in &intervals {
-            w.interval(i.at_us, &i.changes).unwrap();
+            w.interval(i.at_us, i.ops, &i.changes).unwrap();
         }
         w.finish().unwrap()
     }
@@ -420,9 +464,9 @@ mod tests {
         let good = encode();
         assert!(matches!(Trace::read(&b"NOTATRACE..."[..]), Err(TraceError::BadMagic)));
         assert!(matches!(Trace::read(&b"TSB"[..]), Err(TraceError::BadMagic)));
-        let mut v2 = good.clone();
-        v2[8] = 2;
-        assert!(matches!(Trace::read(v2.as_slice()), Err(TraceError::BadVersion(2))));
+        let mut v3 = good.clone();
+        v3[8] = 3;
+        assert!(matches!(Trace::read(v3.as_slice()), Err(TraceError::BadVersion(3))));
         for cut in [13, 30, good.len() - 1] {
             let err = Trace::read(&good[..cut]).unwrap_err();
             assert!(matches!(err, TraceError::Truncated), "cut at {cut}: {err}");

@@ -4,11 +4,21 @@
 //! from the guest). Fit M and τ to a trace by least squares, then predict
 //! pre-copy iteration by iteration: T0 = memory/bandwidth,
 //! D_k = D(T_{k−1}), T_k = D_k·(bytes per page)/bandwidth.
+//!
+//! Three refinements make it predict tsubame's migrations on this host
+//! (docs/results.md): t is the guest's own work time ([`GuestClock`]: an
+//! iteration of T wall seconds gives the guest Δw with Δw/(1−β) +
+//! fault·D(Δw) = T, since dirty logging's faults slow it); a page written
+//! before its turn in the iteration goes out with that write (the sender
+//! clears dirty bits just before reading), so of the pages being sent only
+//! those written after their turn count; and with 2 MiB-backed memory the
+//! first iteration re-sends every page of each piece written after its
+//! turn.
 
 use serde::Serialize;
 
 use crate::format::{Trace, PAGE};
-use crate::simulate::{Method, SimOptions, RECORD_HEADER};
+use crate::simulate::{GuestClock, Method, SimOptions, RECORD_HEADER};
 
 /// The fitted model.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -30,25 +40,29 @@ impl DirtyModel {
     }
 }
 
-/// Measured D(t): for each window length, the mean count of distinct pages
-/// dirtied in windows of that length across the trace.
+/// Measured D(t): for each window length (seconds of guest work, see
+/// [`GuestClock`]), the mean count of distinct pages dirtied in windows of
+/// that length across the trace.
 pub fn measure_dirty_curve(trace: &Trace) -> Vec<(f64, f64)> {
-    let span = trace.duration_s();
+    let clock = GuestClock::of(trace);
+    let span = clock.span;
     let pages = trace.setup.pages() as usize;
     let mut seen = vec![0u64; pages.div_ceil(64)];
     let mut curve = Vec::new();
-    let mut window = (trace.setup.interval_us as f64 / 1e6).max(0.001);
-    while window <= span / 2.0 {
+    // The first interval holds what the guest dirtied while the tracer
+    // read all memory: not a window of the workload's steady state.
+    let first_work = clock.work.first().copied().unwrap_or(0.0);
+    let mut window = (span / trace.intervals.len().max(1) as f64).max(1e-4) * 2.0;
+    while window <= (span - first_work) / 2.0 {
         let starts: Vec<f64> = {
             let n = 20usize;
-            (0..n).map(|i| (span - window) * i as f64 / n as f64).collect()
+            (0..n).map(|i| first_work + (span - first_work - window) * i as f64 / n as f64).collect()
         };
         let mut total = 0.0;
         for &start in &starts {
             seen.iter_mut().for_each(|w| *w = 0);
             let mut count = 0u64;
-            for interval in &trace.intervals {
-                let at = interval.at_us as f64 / 1e6;
+            for (interval, &at) in trace.intervals.iter().zip(&clock.work) {
                 if at <= start || at > start + window {
                     continue;
                 }
@@ -156,21 +170,78 @@ pub struct Prediction {
     pub iteration1_dirty_pages: f64,
 }
 
-/// Predicts a pre-copy migration from the model.
-pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOptions, beta: f64) -> Prediction {
+/// Nonzero pages in the 2 MiB pieces the trace writes to: what the first
+/// iteration re-sends when memory is mapped in 2 MiB pieces.
+fn pages_in_written_pieces(trace: &Trace) -> (f64, f64) {
+    let pieces = trace.setup.pages().div_ceil(512) as usize;
+    let mut written = vec![false; pieces];
+    for c in trace.intervals.iter().skip(1).flat_map(|i| &i.changes) {
+        written[(c.page / 512) as usize] = true;
+    }
+    let nonzero = |p: u64| trace.nonzero[(p / 64) as usize] & (1 << (p % 64)) != 0;
+    let pages: u64 = (0..trace.setup.pages()).filter(|&p| written[(p / 512) as usize] && nonzero(p)).count() as u64;
+    (pages as f64, written.iter().filter(|&&w| w).count() as f64)
+}
+
+/// Guest work in an iteration of `wall` seconds: Δw/speed + fault·D(Δw) = wall.
+fn work_in(model: &DirtyModel, clock: &GuestClock, wall: f64, speed: f64) -> f64 {
+    let (mut lo, mut hi) = (0.0, wall * speed);
+    for _ in 0..60 {
+        let mid = (lo + hi) / 2.0;
+        if mid / speed + clock.fault_s * model.dirty(mid, 0.0) > wall {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    lo
+}
+
+/// Pages dirty after an iteration that sent `sending` of the M hot pages
+/// (spread evenly over it) while the guest did `work`: a page being sent
+/// counts only if written after its turn, any other if written at all.
+fn dirty_after(model: &DirtyModel, sending: f64, work: f64) -> f64 {
+    let a = std::f64::consts::LN_2 * work / model.tau;
+    let written = 1.0 - (-a).exp();
+    let after_turn = if a > 1e-9 { 1.0 - written / a } else { 0.0 };
+    let sending = sending.min(model.m);
+    sending * after_turn + (model.m - sending) * written
+}
+
+/// Predicts a pre-copy migration from the model, with tsubame's stop rules.
+/// The guest's speed is `options.guest_speed` (1 − β).
+pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOptions) -> Prediction {
     let pages = trace.setup.pages() as f64;
     let nonzero = trace.nonzero_pages() as f64;
+    let clock = GuestClock::of(trace);
+    let speed = options.guest_speed.max(1e-6);
     let per_page = bytes_per_dirty_page(trace, method);
-    let mut duration =
-        (nonzero * (PAGE as f64 + RECORD_HEADER) + (pages - nonzero) * RECORD_HEADER) / options.bandwidth;
+    let huge = options.huge_pages.unwrap_or(trace.setup.huge_pages);
+    let first_bytes = nonzero * (PAGE as f64 + RECORD_HEADER) + (pages - nonzero) * RECORD_HEADER;
+    let mut duration = first_bytes / options.bandwidth;
     let mut total = duration;
+    let mut sent = first_bytes;
     let mut iterations = 1;
-    let first_dirty = model.dirty(duration, beta);
+    let work = work_in(model, &clock, duration, speed);
+    let mut dirty = dirty_after(model, model.m, work);
+    let mut bytes = dirty * per_page;
+    if huge && method != Method::Subpage {
+        // Every piece the workload writes is written after its turn; its
+        // unchanged pages cost a whole page (page), or a header (XBZRLE).
+        let (piece_pages, pieces) = pages_in_written_pieces(trace);
+        let per_piece = model.m / pieces.max(1.0);
+        let b = std::f64::consts::LN_2 * work / model.tau * per_piece;
+        let after_turn = if b > 1e-9 { 1.0 - (1.0 - (-b).exp()) / b } else { 0.0 };
+        let extra = (piece_pages * after_turn - dirty).max(0.0);
+        let unchanged = if method == Method::Page { PAGE as f64 + RECORD_HEADER } else { RECORD_HEADER };
+        dirty += extra;
+        bytes += extra * unchanged;
+    }
+    let first_dirty = dirty;
     loop {
-        let dirty = model.dirty(duration, beta);
-        duration = dirty * per_page / options.bandwidth;
+        duration = bytes / options.bandwidth;
         let converged = duration <= options.downtime_limit;
-        if converged || iterations >= options.max_iterations {
+        if converged || iterations >= options.max_iterations || sent > 3.0 * trace.setup.memory_bytes as f64 {
             return Prediction {
                 method,
                 bandwidth: options.bandwidth,
@@ -182,7 +253,11 @@ pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimO
             };
         }
         total += duration;
+        sent += bytes;
         iterations += 1;
+        let work = work_in(model, &clock, duration, speed);
+        dirty = dirty_after(model, dirty, work);
+        bytes = dirty * per_page;
     }
 }
 

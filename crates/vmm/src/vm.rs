@@ -101,6 +101,7 @@ pub struct Vm {
     tsc_khz: u32,
     dirty_logging: std::sync::atomic::AtomicBool,
     manual_dirty_protect: bool,
+    hugepages: bool,
 }
 
 /// Probes, one by one, which MSRs this KVM lets us both read and write
@@ -173,6 +174,7 @@ impl Vm {
             tsc_khz,
             dirty_logging: std::sync::atomic::AtomicBool::new(false),
             manual_dirty_protect,
+            hugepages: config.hugepages,
         })
     }
 
@@ -184,6 +186,11 @@ impl Vm {
     /// Guest memory size in bytes.
     pub fn memory_bytes(&self) -> u64 {
         memory::size(&self.memory)
+    }
+
+    /// Whether guest memory was created asking for transparent huge pages.
+    pub fn hugepages(&self) -> bool {
+        self.hugepages
     }
 
     /// The vCPU's TSC frequency in kHz (what the guest needs as tsc_khz=).
