@@ -5,6 +5,7 @@ mod demo;
 mod guest_host;
 mod host;
 mod migrate_cmd;
+mod plot;
 mod receive;
 mod replay_cmd;
 mod run;

@@ -202,6 +202,16 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
             format_bytes(r.bytes_total as u64),
         );
     }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "{} ({}), {}/s: bytes per iteration",
+            trace.setup.workload,
+            format_bytes(trace.setup.memory_bytes),
+            format_bytes(options.bandwidth as u64)
+        );
+        crate::plot::iterations_png(path, &title, &results, options.bandwidth * options.downtime_limit)?;
+        println!("plot written to {}", path.display());
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
     }

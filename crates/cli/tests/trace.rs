@@ -37,12 +37,24 @@ fn trace_simulate_plan() {
     let _ = vm.kill();
     let _ = vm.wait();
 
-    let out = tsubame().arg("simulate").arg("--trace").arg(&trace).args(["--bandwidth", "100Mbit"]).output().unwrap();
+    let png = dir.join("iterations.png");
+    let out = tsubame()
+        .arg("simulate")
+        .arg("--trace")
+        .arg(&trace)
+        .args(["--bandwidth", "100Mbit", "--plot"])
+        .arg(&png)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     for method in ["page ", "page+xbzrle ", "subpage "] {
         assert!(text.lines().any(|l| l.starts_with(method) && l.contains("total")), "{method}: {text}");
     }
+    // Traces carry the guest's ops: replay follows its work.
+    assert!(text.contains("replayed by guest work"), "{text}");
+    let image = std::fs::read(&png).unwrap();
+    assert!(image.starts_with(b"\x89PNG") && image.len() > 10_000, "{} bytes", image.len());
 
     let out = tsubame().arg("plan").arg("--trace").arg(&trace).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
