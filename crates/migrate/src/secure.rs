@@ -18,25 +18,22 @@
 //! every session's keys new, so a recorded session cannot be replayed, and
 //! a proof never opens the other direction's check.
 //!
-//! Records, each direction independent: `length u32` (of what follows,
-//! ≤ [`MAX_RECORD`] + 16) then AES-256-GCM ciphertext and tag; the nonce is
-//! the record's sequence number in that direction (never reused: one key
-//! per direction per session); the length is the additional data. A
-//! record that fails to open ends the connection.
+//! Records, each direction independent: see [`record`]. A record that
+//! fails to open ends the connection.
 
 use std::io::{Read, Write};
 use std::sync::Mutex;
 
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use ring::hkdf;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
+pub mod record;
+
+pub use record::{Opener, RecordFormat, Sealer, MAX_RECORD};
+
 /// First bytes of the handshake (never a valid migration preamble).
 pub const MAGIC: [u8; 8] = *b"TSBSEC1\0";
-/// Largest plaintext in one record.
-pub const MAX_RECORD: usize = 256 * 1024;
-const TAG_LEN: usize = 16;
 const NONCE_LEN: usize = 32;
 /// Handshake HELLO: magic, mode, nonce.
 pub const HELLO_LEN: usize = 8 + 1 + NONCE_LEN;
@@ -224,107 +221,6 @@ fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
     Ok(())
 }
 
-fn key(bytes: &[u8; 32]) -> LessSafeKey {
-    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, bytes).expect("32-byte AES-256 key"))
-}
-
-fn nonce(seq: u64) -> Nonce {
-    let mut n = [0u8; 12];
-    n[4..].copy_from_slice(&seq.to_le_bytes());
-    Nonce::assume_unique_for_key(n)
-}
-
-/// Sealing state of one direction.
-pub struct Sealer {
-    key: LessSafeKey,
-    seq: u64,
-    buf: Vec<u8>,
-}
-
-impl Sealer {
-    /// Seals with `key`.
-    pub fn new(k: &[u8; 32]) -> Sealer {
-        Sealer { key: key(k), seq: 0, buf: Vec::new() }
-    }
-
-    /// Writes `data` as records to `w`.
-    pub fn write_all(&mut self, w: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
-        for chunk in data.chunks(MAX_RECORD) {
-            let len = (chunk.len() + TAG_LEN) as u32;
-            // Sealed in place in one reused buffer: no allocation per record.
-            self.buf.clear();
-            self.buf.extend_from_slice(&len.to_le_bytes());
-            self.buf.extend_from_slice(chunk);
-            let tag = self
-                .key
-                .seal_in_place_separate_tag(nonce(self.seq), Aad::from(len.to_le_bytes()), &mut self.buf[4..])
-                .map_err(|_| std::io::Error::other("sealing failed"))?;
-            self.seq += 1;
-            self.buf.extend_from_slice(tag.as_ref());
-            w.write_all(&self.buf)?;
-        }
-        Ok(())
-    }
-}
-
-/// Opening state of one direction, with what was opened and not yet read.
-pub struct Opener {
-    key: LessSafeKey,
-    seq: u64,
-    record: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl Opener {
-    /// Opens with `key`.
-    pub fn new(k: &[u8; 32]) -> Opener {
-        Opener { key: key(k), seq: 0, record: Vec::new(), start: 0, end: 0 }
-    }
-
-    /// Reads plaintext, opening the next record from `r` when needed.
-    pub fn read(&mut self, r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.start == self.end {
-            let mut len = [0u8; 4];
-            // A clean end of stream before a record is an end of stream.
-            let mut got = 0;
-            while got < 4 {
-                let n = r.read(&mut len[got..])?;
-                if n == 0 {
-                    if got == 0 {
-                        return Ok(0);
-                    }
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                got += n;
-            }
-            let n = u32::from_le_bytes(len) as usize;
-            if !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&n) {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("encrypted record length {n} out of range"),
-                ));
-            }
-            self.record.resize(n, 0);
-            r.read_exact(&mut self.record)?;
-            let plain = self
-                .key
-                .open_in_place(nonce(self.seq), Aad::from(len), &mut self.record)
-                .map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, "encrypted record failed authentication")
-                })?
-                .len();
-            self.seq += 1;
-            self.start = 0;
-            self.end = plain;
-        }
-        let n = buf.len().min(self.end - self.start);
-        buf[..n].copy_from_slice(&self.record[self.start..self.start + n]);
-        self.start += n;
-        Ok(n)
-    }
-}
-
 /// Both directions of a secured connection; shared by its handles, each
 /// direction under its own lock (one thread reads, another writes).
 pub struct Channel {
@@ -334,10 +230,21 @@ pub struct Channel {
     pub tx: Mutex<Sealer>,
 }
 
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Channel(..)")
+    }
+}
+
 impl Channel {
-    /// A channel for a session's keys.
+    /// A channel for a pre-shared-key session's keys.
     pub fn new(keys: &Keys) -> Channel {
-        Channel { rx: Mutex::new(Opener::new(&keys.receive)), tx: Mutex::new(Sealer::new(&keys.send)) }
+        Channel::from_halves(Opener::new(&keys.receive), Sealer::new(&keys.send))
+    }
+
+    /// A channel of two directions' states.
+    pub fn from_halves(rx: Opener, tx: Sealer) -> Channel {
+        Channel { rx: Mutex::new(rx), tx: Mutex::new(tx) }
     }
 }
 
