@@ -40,6 +40,8 @@ pub struct ReceiveArgs {
     /// channel is authenticated and encrypted (docs/security.md).
     #[arg(long, value_name = "FILE")]
     pub psk_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: crate::migrate_cmd::TlsFlags,
     /// Accept unencrypted TCP from sources that are not on this host.
     #[arg(long)]
     pub insecure: bool,
@@ -92,7 +94,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     if args.timeout == 0 {
         return Err(usage_error("--timeout must be at least 1 second"));
     }
-    let security = crate::migrate_cmd::security(args.psk_file.as_deref(), args.insecure)?;
+    let security = crate::migrate_cmd::security(args.psk_file.as_deref(), &args.tls, args.insecure)?;
     let options = ReceiveOptions {
         expect_memory,
         io_timeout: Duration::from_secs(args.timeout),
