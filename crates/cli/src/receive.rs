@@ -167,7 +167,10 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
 /// `receive --memory-only`: one migration into plain memory.
 fn receive_memory_only(listener: &Listener, options: &ReceiveOptions) -> anyhow::Result<()> {
     eprintln!("tsubame: waiting for memory on {}", listener.local_address());
-    let stream = options.security.accepted(listener.accept()?)?;
+    let stream = options
+        .security
+        .accepted(listener.accept()?)
+        .map_err(|e| anyhow::anyhow!("incoming migration refused: {e}"))?;
     let mut landing = MemoryLanding { max_bytes: tsubame_vmm::memory::MAX_MEMORY, memory: None, started: false };
     let log = |m: &str| eprintln!("tsubame: {m}");
     let received = receive_into(stream, Some(listener), options, &log, &mut landing)
