@@ -196,6 +196,7 @@ pub fn tls_handshake(
             loop {
                 match conn.reader().read(&mut byte) {
                     Ok(1) if byte[0] == CONFIRM => break,
+                    Ok(1) => return Err(tls_general("the peer is not a tsubame destination (no confirmation)")),
                     Ok(_) => return Err(SecureError::TlsClosed),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         read_record(&mut conn, io, role, false)?;
