@@ -109,6 +109,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         .arg("--memory")
         .arg(memory.to_string())
         .args(args.flags.psk_file.iter().flat_map(|p| [std::ffi::OsStr::new("--psk-file"), p.as_os_str()]))
+        .args(args.flags.tls.args())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?)

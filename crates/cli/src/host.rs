@@ -307,22 +307,51 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(v) = request.get("insecure") {
         options.security.insecure = v.as_bool().ok_or("\"insecure\" must be true or false")?;
     }
-    match request.get("psk_file") {
-        None | Some(Value::Null) => {}
-        Some(v) => {
-            let path = v.as_str().ok_or("\"psk_file\" must be a file path")?;
-            let psk = tsubame_migrate::secure::Psk::read(std::path::Path::new(path)).map_err(|e| e.to_string())?;
-            options.security.psk = Some(psk);
+    let path = |key: &str| -> Result<Option<&std::path::Path>, String> {
+        match request.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => {
+                v.as_str().map(|p| Some(std::path::Path::new(p))).ok_or(format!("\"{key}\" must be a file path"))
+            }
         }
+    };
+    if let Some(path) = path("psk_file")? {
+        options.security.psk = Some(tsubame_migrate::secure::Psk::read(path).map_err(|e| e.to_string())?);
+    }
+    match (path("tls_cert")?, path("tls_key")?, path("tls_ca")?) {
+        (None, None, None) => {}
+        (Some(cert), Some(key), Some(ca)) => {
+            let tls = tsubame_migrate::secure::TlsConfig::load(cert, key, ca).map_err(|e| e.to_string())?;
+            options.security.tls = Some(tls);
+        }
+        _ => return Err("\"tls_cert\", \"tls_key\" and \"tls_ca\" go together: give all three or none".into()),
     }
     options.check()?;
     Ok((to, options))
 }
 
+/// Key and certificate files of a migrate request (paths the VM's
+/// process can open).
+#[derive(Debug, Default)]
+pub struct SecurityFiles {
+    /// `--psk-file`.
+    pub psk: Option<std::path::PathBuf>,
+    /// `--tls-cert`.
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// `--tls-key`.
+    pub tls_key: Option<std::path::PathBuf>,
+    /// `--tls-ca`.
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
 /// The request fields for `options`, the inverse of [`migrate_request`].
-pub fn migrate_request_fields(to: &Address, options: &MigrateOptions, psk_file: Option<&std::path::Path>) -> Value {
+pub fn migrate_request_fields(to: &Address, options: &MigrateOptions, files: &SecurityFiles) -> Value {
+    let text = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
     json!({
-        "psk_file": psk_file.map(|p| p.display().to_string()),
+        "psk_file": text(&files.psk),
+        "tls_cert": text(&files.tls_cert),
+        "tls_key": text(&files.tls_key),
+        "tls_ca": text(&files.tls_ca),
         "insecure": options.security.insecure,
         "cmd": "migrate",
         "to": to.to_string(),

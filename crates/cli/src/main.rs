@@ -91,10 +91,14 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // clap's message is several lines; keep the first, point at --help.
+            // clap's message is several paragraphs; keep the first (with
+            // its indented list, e.g. the missing arguments) on one line,
+            // point at --help.
             let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("bad usage");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
+            let first: Vec<&str> = rendered.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+            let first = first.join(" ");
+            let first = first.strip_prefix("error: ").unwrap_or(&first);
+            let first = if first.is_empty() { "bad usage" } else { first };
             eprintln!("tsubame: error: {first} (see tsubame --help)");
             return ExitCode::from(2);
         }

@@ -7,13 +7,13 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tsubame_migrate::secure::Psk;
+use tsubame_migrate::secure::{Psk, TlsConfig};
 use tsubame_migrate::subpage::check_granularity;
 use tsubame_migrate::transport::Security;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
 
 use crate::control::ControlClient;
-use crate::host::migrate_request_fields;
+use crate::host::{migrate_request_fields, SecurityFiles};
 use crate::units::{format_bytes, parse_rate};
 use crate::usage_error;
 
@@ -98,6 +98,8 @@ pub struct MigrateFlags {
     /// the same file). See docs/security.md.
     #[arg(long, value_name = "FILE")]
     pub psk_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: TlsFlags,
     /// Allow unencrypted TCP to a destination that is not on this host.
     #[arg(long)]
     pub insecure: bool,
@@ -147,7 +149,7 @@ impl MigrateFlags {
             pipeline: !self.no_pipeline,
             zero_copy: self.zero_copy,
             gpu: self.gpu().map_err(usage_error)?,
-            security: security(self.psk_file.as_deref(), self.insecure)?,
+            security: security(self.psk_file.as_deref(), &self.tls, self.insecure)?,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
@@ -155,13 +157,57 @@ impl MigrateFlags {
     }
 }
 
-/// Reads `--psk-file` (a bad file is a usage error) into a [`Security`].
-pub fn security(psk_file: Option<&std::path::Path>, insecure: bool) -> anyhow::Result<Security> {
+/// Mutual TLS 1.3 (shared by `migrate`, `receive` and `demo`): all three
+/// files or none.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsFlags {
+    /// Authenticate with mutual TLS 1.3 and encrypt every channel: this
+    /// end's certificate (PEM; a chain, leaf first, may follow). The peer
+    /// must trust its CA. A source checks the destination's certificate
+    /// against the host it dials (tcp:HOST:PORT; localhost for unix:).
+    /// Needs --tls-key and --tls-ca; see docs/security.md.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"], conflicts_with = "psk_file")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_ca"], conflicts_with = "psk_file")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA certificate(s) (PEM) that must have signed the peer's
+    /// certificate; a peer without one is refused.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_key"], conflicts_with = "psk_file")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsFlags {
+    /// The three files, if given.
+    pub fn files(&self) -> Option<[&std::path::Path; 3]> {
+        Some([self.tls_cert.as_deref()?, self.tls_key.as_deref()?, self.tls_ca.as_deref()?])
+    }
+
+    /// The flags and their files, for a child process's command line.
+    pub fn args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = Vec::new();
+        if let Some(files) = self.files() {
+            for (flag, file) in ["--tls-cert", "--tls-key", "--tls-ca"].into_iter().zip(files) {
+                args.push(flag.into());
+                args.push(file.as_os_str().to_owned());
+            }
+        }
+        args
+    }
+}
+
+/// Reads `--psk-file` or the `--tls-*` files (a bad file is a usage
+/// error) into a [`Security`].
+pub fn security(psk_file: Option<&std::path::Path>, tls: &TlsFlags, insecure: bool) -> anyhow::Result<Security> {
     let psk = match psk_file {
         Some(path) => Some(Psk::read(path).map_err(|e| usage_error(format!("--psk-file: {e}")))?),
         None => None,
     };
-    Ok(Security { psk, insecure })
+    let tls = match tls.files() {
+        Some([cert, key, ca]) => Some(TlsConfig::load(cert, key, ca).map_err(|e| usage_error(e.to_string()))?),
+        None => None,
+    };
+    Ok(Security { psk, tls, insecure })
 }
 
 /// Options of `tsubame migrate`.
@@ -314,9 +360,15 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         args.to.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?;
     let options = args.flags.options()?;
     let mut client = ControlClient::connect(&args.control)?;
-    // The VM's process reads the key file: give it a path from anywhere.
-    let psk_file = args.flags.psk_file.as_deref().map(std::fs::canonicalize).transpose()?;
-    client.request(&migrate_request_fields(&to, &options, psk_file.as_deref()))?;
+    // The VM's process reads the key files: give it paths from anywhere.
+    let canonical = |path: Option<&std::path::Path>| path.map(std::fs::canonicalize).transpose();
+    let files = SecurityFiles {
+        psk: canonical(args.flags.psk_file.as_deref())?,
+        tls_cert: canonical(args.flags.tls.tls_cert.as_deref())?,
+        tls_key: canonical(args.flags.tls.tls_key.as_deref())?,
+        tls_ca: canonical(args.flags.tls.tls_ca.as_deref())?,
+    };
+    client.request(&migrate_request_fields(&to, &options, &files))?;
     let bar = progress_bar();
     let stats = loop {
         std::thread::sleep(Duration::from_millis(100));

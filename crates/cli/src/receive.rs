@@ -40,6 +40,8 @@ pub struct ReceiveArgs {
     /// channel is authenticated and encrypted (docs/security.md).
     #[arg(long, value_name = "FILE")]
     pub psk_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: crate::migrate_cmd::TlsFlags,
     /// Accept unencrypted TCP from sources that are not on this host.
     #[arg(long)]
     pub insecure: bool,
@@ -92,7 +94,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     if args.timeout == 0 {
         return Err(usage_error("--timeout must be at least 1 second"));
     }
-    let security = crate::migrate_cmd::security(args.psk_file.as_deref(), args.insecure)?;
+    let security = crate::migrate_cmd::security(args.psk_file.as_deref(), &args.tls, args.insecure)?;
     let options = ReceiveOptions {
         expect_memory,
         io_timeout: Duration::from_secs(args.timeout),
@@ -166,7 +168,10 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
 /// `receive --memory-only`: one migration into plain memory.
 fn receive_memory_only(listener: &Listener, options: &ReceiveOptions) -> anyhow::Result<()> {
     eprintln!("tsubame: waiting for memory on {}", listener.local_address());
-    let stream = options.security.accepted(listener.accept()?)?;
+    let stream = options
+        .security
+        .accepted(listener.accept()?)
+        .map_err(|e| anyhow::anyhow!("incoming migration refused: {e}"))?;
     let mut landing = MemoryLanding { max_bytes: tsubame_vmm::memory::MAX_MEMORY, memory: None, started: false };
     let log = |m: &str| eprintln!("tsubame: {m}");
     let received = receive_into(stream, Some(listener), options, &log, &mut landing)

@@ -1,10 +1,12 @@
-//! Authenticated, encrypted migration with a pre-shared key: it works,
-//! a wrong key or a plain peer is refused on both sides with a clear
-//! error, and no guest memory crosses a connection in the clear.
+//! Authenticated, encrypted migration with a pre-shared key or mutual
+//! TLS: it works, a wrong key, a certificate from another CA or a peer of
+//! another mode is refused on both sides with a clear error, and no guest
+//! memory crosses a connection in the clear.
 
 mod common;
 
 use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -30,9 +32,14 @@ fn source(dir: &Path) -> Proc {
 }
 
 fn destination(dir: &Path, extra: &[&str]) -> Proc {
+    let listen = format!("unix:{}", dir.join("in.sock").display());
+    destination_on(dir, &listen, &[&["--once"], extra].concat())
+}
+
+/// A destination listening on `listen`, logging to dest.log.
+fn destination_on(dir: &Path, listen: &str, extra: &[&str]) -> Proc {
     let p = tsubame()
-        .args(["receive", "--quiet", "--once", "--listen"])
-        .arg(format!("unix:{}", dir.join("in.sock").display()))
+        .args(["receive", "--quiet", "--listen", listen])
         .arg("--control")
         .arg(dir.join("dest.sock"))
         .args(extra)
@@ -50,8 +57,52 @@ fn key(dir: &Path, name: &str, bytes: &str) -> PathBuf {
     path
 }
 
-/// Relays one connection at a time from `listen` to `target`, recording
-/// what the source sends.
+/// A connection the proxies relay (Unix or TCP).
+trait Pipe: Read + Write + Send + Sized + 'static {
+    fn dup(&self) -> Self;
+    fn close(&self);
+}
+
+impl Pipe for UnixStream {
+    fn dup(&self) -> Self {
+        self.try_clone().unwrap()
+    }
+    fn close(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Pipe for TcpStream {
+    fn dup(&self) -> Self {
+        self.try_clone().unwrap()
+    }
+    fn close(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Relays `client` to `server` and back, recording what the client sends.
+fn relay<P: Pipe>(client: P, server: P, record: Arc<Mutex<Vec<u8>>>) {
+    let (mut c, mut s) = (client.dup(), server.dup());
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut s, &mut c);
+        c.close();
+    });
+    std::thread::spawn(move || {
+        let (mut from, mut to) = (client, server);
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = from.read(&mut buf) {
+            record.lock().unwrap().extend_from_slice(&buf[..n]);
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        to.close();
+    });
+}
+
+/// Relays connections from `listen` to `target`, recording what the
+/// source sends.
 fn recording_proxy(listen: &Path, target: PathBuf) -> Arc<Mutex<Vec<u8>>> {
     let listener = UnixListener::bind(listen).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -59,38 +110,44 @@ fn recording_proxy(listen: &Path, target: PathBuf) -> Arc<Mutex<Vec<u8>>> {
     std::thread::spawn(move || {
         for client in listener.incoming().flatten() {
             let Ok(server) = UnixStream::connect(&target) else { return };
-            let (mut c, mut s) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut s, &mut c);
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            });
-            let record = record.clone();
-            std::thread::spawn(move || {
-                let (mut from, mut to) = (client, server);
-                let mut buf = vec![0u8; 1 << 16];
-                while let Ok(n @ 1..) = from.read(&mut buf) {
-                    record.lock().unwrap().extend_from_slice(&buf[..n]);
-                    if to.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-                let _ = to.shutdown(std::net::Shutdown::Both);
-            });
+            relay(client, server, record.clone());
         }
     });
     seen
 }
 
+/// As [`recording_proxy`], on TCP loopback; returns its port too.
+fn tcp_recording_proxy(target: u16) -> (u16, Arc<Mutex<Vec<u8>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else { return };
+            relay(client, server, record.clone());
+        }
+    });
+    (port, seen)
+}
+
 /// Migrates through the recording proxy; returns (exit code, output, stats, bytes seen).
 fn migrate_recorded(dir: &Path, extra: &[&str]) -> (i32, String, Value, Vec<u8>) {
     let proxy = dir.join("proxy.sock");
+    let _ = std::fs::remove_file(&proxy);
     let seen = recording_proxy(&proxy, dir.join("in.sock"));
+    migrate_through(dir, &format!("unix:{}", proxy.display()), seen, extra)
+}
+
+/// Migrates to `to`, where a proxy records into `seen`.
+fn migrate_through(dir: &Path, to: &str, seen: Arc<Mutex<Vec<u8>>>, extra: &[&str]) -> (i32, String, Value, Vec<u8>) {
     let json_path = dir.join("stats.json");
+    let _ = std::fs::remove_file(&json_path);
     let out = tsubame()
         .args(["migrate", "--control"])
         .arg(dir.join("source.sock"))
         .arg("--to")
-        .arg(format!("unix:{}", proxy.display()))
+        .arg(to)
         .arg("--json")
         .arg(&json_path)
         .args(extra)
@@ -248,4 +305,227 @@ fn plain_tcp_to_another_host_needs_insecure() {
     assert_eq!(out.status.code(), Some(1));
     let log = wait_log(&dir, "refused");
     assert!(log.contains("refusing unencrypted TCP"), "{log}");
+}
+
+/// Certificates for the TLS tests, made with rcgen in the scratch dir:
+/// `ca.pem` signs `server` and `client`; `other-ca.pem` signs `rogue-server`
+/// and `rogue-client`. Every certificate names localhost and 127.0.0.1.
+struct Pki(PathBuf);
+
+impl Pki {
+    fn new(dir: &Path) -> Pki {
+        let ca = |name: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(rcgen::DnType::CommonName, name);
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            let cert = params.self_signed(&key).unwrap();
+            std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+            (cert, key)
+        };
+        for (ca_name, leaves) in [("ca", ["server", "client"]), ("other-ca", ["rogue-server", "rogue-client"])] {
+            let (ca_cert, ca_key) = ca(ca_name);
+            for leaf in leaves {
+                let key = rcgen::KeyPair::generate().unwrap();
+                let mut params = rcgen::CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
+                params.distinguished_name.push(rcgen::DnType::CommonName, leaf);
+                let cert = params.signed_by(&key, &ca_cert, &ca_key).unwrap();
+                std::fs::write(dir.join(format!("{leaf}.pem")), cert.pem()).unwrap();
+                std::fs::write(dir.join(format!("{leaf}.key")), key.serialize_pem()).unwrap();
+            }
+        }
+        Pki(dir.to_path_buf())
+    }
+
+    /// `--tls-cert`, `--tls-key`, `--tls-ca` for the certificate `leaf`,
+    /// trusting the CA `ca`.
+    fn args(&self, leaf: &str, ca: &str) -> Vec<String> {
+        let file = |name: String| self.0.join(name).display().to_string();
+        vec![
+            "--tls-cert".into(),
+            file(format!("{leaf}.pem")),
+            "--tls-key".into(),
+            file(format!("{leaf}.key")),
+            "--tls-ca".into(),
+            file(format!("{ca}.pem")),
+        ]
+    }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn tls_migration_is_encrypted_and_completes() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // Over TCP loopback: the source checks the destination's certificate
+    // against the IP address it dials.
+    let dir = scratch("secure-tls");
+    let pki = Pki::new(&dir);
+    let _s = source(&dir);
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _d = destination_on(&dir, &format!("tcp:127.0.0.1:{port}"), &strs(&pki.args("server", "ca")));
+    let (proxy, seen) = tcp_recording_proxy(port);
+    let client = pki.args("client", "ca");
+    let extra = [strs(&client), vec!["--channels", "2"]].concat();
+    let (code, text, stats, bytes) = migrate_through(&dir, &format!("tcp:127.0.0.1:{proxy}"), seen, &extra);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(stats["digest_verified"], true);
+    assert_eq!(stats["pipeline"]["channels"], 2, "{stats}");
+    assert!(bytes.len() > 1 << 20, "only {} bytes went through the proxy", bytes.len());
+    // A TLS handshake record first, then nothing in the clear.
+    assert_eq!(bytes[..3], [0x16, 0x03, 0x01], "the source did not start with a TLS ClientHello");
+    assert!(!contains(&bytes, MARKER), "guest memory crossed the wire in the clear");
+    assert!(!contains(&bytes, "TSBMIGR"), "the migration preamble crossed the wire in the clear");
+    let later = control(&dir.join("dest.sock"), &json!({"cmd": "stats"}));
+    assert_eq!(later["status"], "running", "{later}");
+}
+
+#[test]
+fn certificates_from_another_ca_are_refused_on_both_sides_and_nothing_leaks() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("secure-tls-ca");
+    let pki = Pki::new(&dir);
+    let mut s = source(&dir);
+    let listen = format!("unix:{}", dir.join("in.sock").display());
+    let check_refused = |bytes: &[u8], stats: &Value, s: &mut Proc| {
+        assert!(bytes.len() < 4096, "{} bytes went to an unauthenticated peer", bytes.len());
+        assert!(!contains(bytes, MARKER));
+        assert!(stats["error"].as_str().unwrap_or_default().contains("keeps running here"), "{stats}");
+        assert!(s.alive());
+        assert_eq!(control(&dir.join("source.sock"), &json!({"cmd": "stats"}))["status"], "running");
+    };
+    {
+        // The source's certificate is signed by a CA the destination does
+        // not trust; the destination refuses it and keeps listening.
+        let mut d = destination_on(&dir, &listen, &strs(&pki.args("server", "ca")));
+        let (code, text, stats, bytes) = migrate_recorded(&dir, &strs(&pki.args("rogue-client", "ca")));
+        assert_eq!(code, 1, "{text}");
+        let error = stats["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains(
+                "the peer refused our certificate: it is not signed by the peer's --tls-ca (TLS alert unknown_ca)"
+            ),
+            "{error}"
+        );
+        let log = wait_log(&dir, "refused");
+        assert!(log.contains("incoming migration refused"), "{log}");
+        assert!(log.contains("the peer's certificate is not signed by --tls-ca"), "{log}");
+        check_refused(&bytes, &stats, &mut s);
+        // Still listening: the right certificate goes through.
+        assert!(d.alive(), "the destination gave up after a refused peer");
+        let (code, text, stats, _) = migrate_recorded(&dir, &strs(&pki.args("client", "ca")));
+        assert_eq!(code, 0, "{text}");
+        assert_eq!(stats["digest_verified"], true);
+    }
+    // The VM now runs at that destination: start again with a new source.
+    drop(s);
+    for f in ["source.sock", "dest.sock", "in.sock", "dest.log"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    let mut s = source(&dir);
+    // The destination's certificate is signed by a CA the source does not trust.
+    let mut d = destination_on(&dir, &listen, &strs(&pki.args("rogue-server", "ca")));
+    let (code, text, stats, bytes) = migrate_recorded(&dir, &strs(&pki.args("client", "ca")));
+    assert_eq!(code, 1, "{text}");
+    let error = stats["error"].as_str().unwrap_or_default();
+    assert!(error.contains("the peer's certificate is not signed by --tls-ca"), "{error}");
+    let log = wait_log(&dir, "refused");
+    assert!(
+        log.contains(
+            "the peer refused our certificate: it is not signed by the peer's --tls-ca (TLS alert unknown_ca)"
+        ),
+        "{log}"
+    );
+    check_refused(&bytes, &stats, &mut s);
+    assert!(d.alive(), "the destination gave up after a refused peer");
+}
+
+#[test]
+fn peers_of_another_mode_are_refused_by_a_tls_end() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("secure-tls-mixed");
+    let pki = Pki::new(&dir);
+    let k = key(&dir, "k", "a-shared-key-of-enough-bytes");
+    let _s = source(&dir);
+    let listen = format!("unix:{}", dir.join("in.sock").display());
+    let server = pki.args("server", "ca");
+    let client = pki.args("client", "ca");
+    let psk = ["--psk-file", k.to_str().unwrap()];
+    // (destination flags, source flags, the source's error, the destination's log)
+    let cases: [(&[&str], &[&str], &str, &str); 4] = [
+        (
+            &strs(&server),
+            &[],
+            "the peer started a tsubame secure handshake, and this end is plain",
+            "the peer did not start a secure handshake (it sent a plain migration preamble)",
+        ),
+        (
+            &strs(&server),
+            &psk,
+            "the peer wants TLS certificates (--tls-cert, --tls-key, --tls-ca) and this end uses a pre-shared key",
+            "the peer wants a pre-shared key (--psk-file) and this end uses TLS certificates",
+        ),
+        (
+            &[],
+            &strs(&client),
+            "the peer did not start a secure handshake (it sent a plain migration preamble)",
+            "the peer started a TLS handshake, and this end is plain",
+        ),
+        (
+            &psk,
+            &strs(&client),
+            "the peer wants a pre-shared key (--psk-file) and this end uses TLS certificates",
+            "the peer wants TLS certificates (--tls-cert, --tls-key, --tls-ca) and this end uses a pre-shared key",
+        ),
+    ];
+    for (destination_flags, source_flags, source_error, destination_error) in cases {
+        let _ = std::fs::remove_file(dir.join("dest.sock"));
+        let _d = destination_on(&dir, &listen, destination_flags);
+        let (code, text, stats, bytes) = migrate_recorded(&dir, source_flags);
+        assert_eq!(code, 1, "{text}");
+        let error = stats["error"].as_str().unwrap_or_default();
+        assert!(error.contains(source_error), "{source_flags:?} → {destination_flags:?}: {error}");
+        let log = wait_log(&dir, destination_error);
+        assert!(log.contains(destination_error), "{source_flags:?} → {destination_flags:?}: {log}");
+        assert!(!contains(&bytes, MARKER));
+    }
+    let stats = control(&dir.join("source.sock"), &json!({"cmd": "stats"}));
+    assert_eq!(stats["status"], "running");
+}
+
+#[test]
+fn tls_flags_go_together_and_bad_files_are_named() {
+    let dir = scratch("secure-tls-flags");
+    let pki = Pki::new(&dir);
+    let run = |args: &[&str]| {
+        let out = tsubame().args(["receive", "--listen", "unix:/nonexistent/in.sock"]).args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let server = pki.args("server", "ca");
+    let (code, err) = run(&strs(&server[..2]));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tls-key") && err.contains("--tls-ca"), "{err}");
+    let (code, err) = run(&[strs(&server), vec!["--psk-file", "k"]].concat());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+    // The certificate given as the key: named by flag and path.
+    let mut swapped = server.clone();
+    swapped[3] = server[1].clone();
+    let (code, err) = run(&strs(&swapped));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains(&format!("--tls-key {}: no PRIVATE KEY in it", server[1])), "{err}");
+    // A key of another certificate.
+    let mut mismatched = server.clone();
+    mismatched[3] = pki.args("client", "ca")[3].clone();
+    let (code, err) = run(&strs(&mismatched));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("does not match the certificate of --tls-cert"), "{err}");
 }

@@ -50,7 +50,7 @@ pub struct MigrateOptions {
     pub zero_copy: bool,
     /// Run the per-page codecs on a GPU.
     pub gpu: Option<GpuOffload>,
-    /// How every connection is protected (pre-shared key, or plain).
+    /// How every connection is protected (pre-shared key, TLS, or plain).
     pub security: crate::transport::Security,
 }
 
@@ -98,6 +98,9 @@ impl MigrateOptions {
         }
         if !(1..=64).contains(&self.buffers) {
             return Err(format!("--buffers must be 1 to 64, not {}", self.buffers));
+        }
+        if self.security.psk.is_some() && self.security.tls.is_some() {
+            return Err(crate::secure::SecureError::BothModes.to_string());
         }
         Ok(())
     }

@@ -18,32 +18,41 @@
 //! every session's keys new, so a recorded session cannot be replayed, and
 //! a proof never opens the other direction's check.
 //!
-//! Records, each direction independent: `length u32` (of what follows,
-//! ≤ [`MAX_RECORD`] + 16) then AES-256-GCM ciphertext and tag; the nonce is
-//! the record's sequence number in that direction (never reused: one key
-//! per direction per session); the length is the additional data. A
-//! record that fails to open ends the connection.
+//! Mutual TLS 1.3 (`--tls-cert`, `--tls-key`, `--tls-ca`) is the other
+//! mode: [`tls`] runs rustls's handshake and hands its traffic keys to the
+//! same record layer ([`record`]), in the TLS 1.3 record format.
+//!
+//! Records, each direction independent: see [`record`]. A record that
+//! fails to open ends the connection.
 
 use std::io::{Read, Write};
 use std::sync::Mutex;
 
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use ring::hkdf;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
+pub mod record;
+pub mod tls;
+
+pub use record::{Opener, RecordFormat, Sealer, MAX_RECORD};
+pub use tls::{tls_handshake, TlsConfig};
+
 /// First bytes of the handshake (never a valid migration preamble).
 pub const MAGIC: [u8; 8] = *b"TSBSEC1\0";
-/// Largest plaintext in one record.
-pub const MAX_RECORD: usize = 256 * 1024;
-const TAG_LEN: usize = 16;
 const NONCE_LEN: usize = 32;
 /// Handshake HELLO: magic, mode, nonce.
 pub const HELLO_LEN: usize = 8 + 1 + NONCE_LEN;
 /// Mode byte of the pre-shared-key handshake.
 pub const MODE_PSK: u8 = 1;
+/// Mode byte a TLS end answers a tsubame HELLO with, so that a
+/// pre-shared-key or plain peer learns why it is refused (TLS itself
+/// starts with a ClientHello, not with this HELLO).
+pub const MODE_TLS: u8 = 2;
 /// Shortest pre-shared key accepted.
 pub const MIN_PSK: usize = 16;
+/// The pre-shared-key mode, for messages.
+const PSK_MODE: &str = "a pre-shared key (--psk-file)";
 
 /// Why a secure connection could not be set up or used.
 #[derive(Debug, thiserror::Error)]
@@ -52,8 +61,16 @@ pub enum SecureError {
     #[error("handshake: {0}")]
     Io(#[from] std::io::Error),
     /// The peer speaks plain migration or another protocol.
-    #[error("the peer did not start a secure handshake ({0}); give both ends the same --psk-file, or --insecure on both for plain TCP")]
+    #[error("the peer did not start a secure handshake ({0}); give both ends the same --psk-file or --tls-* flags, or --insecure on both for plain TCP")]
     NotSecure(&'static str),
+    /// The peer authenticates another way.
+    #[error("the peer wants {theirs} and this end uses {ours}: give both ends the same --psk-file, or each its --tls-cert, --tls-key and --tls-ca")]
+    ModeMismatch {
+        /// This end's mode.
+        ours: &'static str,
+        /// The peer's.
+        theirs: &'static str,
+    },
     /// The peer's proof did not verify: it holds another key.
     #[error("the peer failed authentication: it does not hold our pre-shared key")]
     PeerNotAuthenticated,
@@ -68,6 +85,45 @@ pub enum SecureError {
         /// What is wrong.
         reason: String,
     },
+    /// A certificate, key or CA file is unusable.
+    #[error("{flag} {path}: {reason}")]
+    BadTlsFile {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The peer's certificate does not chain to our CA.
+    #[error("the peer's certificate is not signed by --tls-ca")]
+    UntrustedCertificate,
+    /// The peer sent no certificate.
+    #[error("the peer sent no certificate")]
+    NoCertificate,
+    /// The peer's certificate is unacceptable for another reason.
+    #[error("the peer's certificate is not acceptable: {0}")]
+    BadPeerCertificate(String),
+    /// The peer refused our certificate.
+    #[error("the peer refused our certificate{why} (TLS alert {alert})")]
+    CertificateRefused {
+        /// The alert it sent.
+        alert: &'static str,
+        /// What the alert means, when it says.
+        why: &'static str,
+    },
+    /// The peer ended the handshake with an alert.
+    #[error("the peer ended the TLS handshake with alert {0}")]
+    TlsAlert(&'static str),
+    /// The peer hung up during the TLS handshake.
+    #[error("the peer closed the connection during the TLS handshake")]
+    TlsClosed,
+    /// Both a pre-shared key and TLS certificates were given.
+    #[error("--psk-file and --tls-* exclude each other: choose one")]
+    BothModes,
+    /// Anything else rustls refused.
+    #[error("TLS handshake: {0}")]
+    Tls(rustls::Error),
 }
 
 /// A pre-shared key (at least [`MIN_PSK`] bytes).
@@ -150,7 +206,15 @@ pub fn psk_handshake(io: &mut (impl Read + Write), psk: &Psk, role: Role) -> Res
     // The magic first: a plain peer sends only its 16-byte preamble.
     let mut theirs_hello = [0u8; HELLO_LEN];
     io.read_exact(&mut theirs_hello[..8])?;
-    check_magic(&theirs_hello[..8])?;
+    if let Err(e) = check_magic(&theirs_hello[..8]) {
+        if tls::is_client_hello(&theirs_hello) {
+            // Take the rest of the ClientHello record, so that closing does
+            // not reset the connection before the TLS peer reads our HELLO.
+            let rest = u16::from_be_bytes([theirs_hello[3], theirs_hello[4]]) as usize;
+            let _ = io.read_exact(&mut vec![0u8; rest.saturating_sub(3)]);
+        }
+        return Err(e);
+    }
     io.read_exact(&mut theirs_hello[8..])?;
     let theirs = check_hello(&theirs_hello)?;
     let (nc, ns) = match role {
@@ -208,8 +272,10 @@ pub fn psk_handshake(io: &mut (impl Read + Write), psk: &Psk, role: Role) -> Res
 /// Checks a peer's handshake HELLO; returns its nonce.
 pub fn check_hello(hello: &[u8; HELLO_LEN]) -> Result<[u8; NONCE_LEN], SecureError> {
     check_magic(&hello[..8])?;
-    if hello[8] != MODE_PSK {
-        return Err(SecureError::NotSecure("it asks for another mode"));
+    match hello[8] {
+        MODE_PSK => {}
+        MODE_TLS => return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: tls::MODE_NAME }),
+        _ => return Err(SecureError::NotSecure("it asks for an unknown mode")),
     }
     Ok(hello[9..].try_into().expect("32 bytes"))
 }
@@ -218,111 +284,13 @@ fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
     if magic == crate::wire::MAGIC {
         return Err(SecureError::NotSecure("it sent a plain migration preamble"));
     }
+    if tls::is_client_hello(magic) {
+        return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: tls::MODE_NAME });
+    }
     if magic != MAGIC {
         return Err(SecureError::NotSecure("unknown first bytes"));
     }
     Ok(())
-}
-
-fn key(bytes: &[u8; 32]) -> LessSafeKey {
-    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, bytes).expect("32-byte AES-256 key"))
-}
-
-fn nonce(seq: u64) -> Nonce {
-    let mut n = [0u8; 12];
-    n[4..].copy_from_slice(&seq.to_le_bytes());
-    Nonce::assume_unique_for_key(n)
-}
-
-/// Sealing state of one direction.
-pub struct Sealer {
-    key: LessSafeKey,
-    seq: u64,
-    buf: Vec<u8>,
-}
-
-impl Sealer {
-    /// Seals with `key`.
-    pub fn new(k: &[u8; 32]) -> Sealer {
-        Sealer { key: key(k), seq: 0, buf: Vec::new() }
-    }
-
-    /// Writes `data` as records to `w`.
-    pub fn write_all(&mut self, w: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
-        for chunk in data.chunks(MAX_RECORD) {
-            let len = (chunk.len() + TAG_LEN) as u32;
-            // Sealed in place in one reused buffer: no allocation per record.
-            self.buf.clear();
-            self.buf.extend_from_slice(&len.to_le_bytes());
-            self.buf.extend_from_slice(chunk);
-            let tag = self
-                .key
-                .seal_in_place_separate_tag(nonce(self.seq), Aad::from(len.to_le_bytes()), &mut self.buf[4..])
-                .map_err(|_| std::io::Error::other("sealing failed"))?;
-            self.seq += 1;
-            self.buf.extend_from_slice(tag.as_ref());
-            w.write_all(&self.buf)?;
-        }
-        Ok(())
-    }
-}
-
-/// Opening state of one direction, with what was opened and not yet read.
-pub struct Opener {
-    key: LessSafeKey,
-    seq: u64,
-    record: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl Opener {
-    /// Opens with `key`.
-    pub fn new(k: &[u8; 32]) -> Opener {
-        Opener { key: key(k), seq: 0, record: Vec::new(), start: 0, end: 0 }
-    }
-
-    /// Reads plaintext, opening the next record from `r` when needed.
-    pub fn read(&mut self, r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.start == self.end {
-            let mut len = [0u8; 4];
-            // A clean end of stream before a record is an end of stream.
-            let mut got = 0;
-            while got < 4 {
-                let n = r.read(&mut len[got..])?;
-                if n == 0 {
-                    if got == 0 {
-                        return Ok(0);
-                    }
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                got += n;
-            }
-            let n = u32::from_le_bytes(len) as usize;
-            if !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&n) {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("encrypted record length {n} out of range"),
-                ));
-            }
-            self.record.resize(n, 0);
-            r.read_exact(&mut self.record)?;
-            let plain = self
-                .key
-                .open_in_place(nonce(self.seq), Aad::from(len), &mut self.record)
-                .map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, "encrypted record failed authentication")
-                })?
-                .len();
-            self.seq += 1;
-            self.start = 0;
-            self.end = plain;
-        }
-        let n = buf.len().min(self.end - self.start);
-        buf[..n].copy_from_slice(&self.record[self.start..self.start + n]);
-        self.start += n;
-        Ok(n)
-    }
 }
 
 /// Both directions of a secured connection; shared by its handles, each
@@ -334,10 +302,21 @@ pub struct Channel {
     pub tx: Mutex<Sealer>,
 }
 
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Channel(..)")
+    }
+}
+
 impl Channel {
-    /// A channel for a session's keys.
+    /// A channel for a pre-shared-key session's keys.
     pub fn new(keys: &Keys) -> Channel {
-        Channel { rx: Mutex::new(Opener::new(&keys.receive)), tx: Mutex::new(Sealer::new(&keys.send)) }
+        Channel::from_halves(Opener::new(&keys.receive), Sealer::new(&keys.send))
+    }
+
+    /// A channel of two directions' states.
+    pub fn from_halves(rx: Opener, tx: Sealer) -> Channel {
+        Channel { rx: Mutex::new(rx), tx: Mutex::new(tx) }
     }
 }
 
@@ -395,6 +374,11 @@ mod tests {
         let mut hello = [0u8; HELLO_LEN];
         hello[..8].copy_from_slice(&crate::wire::MAGIC);
         assert!(matches!(check_hello(&hello), Err(SecureError::NotSecure(_))));
+        // A TLS end: its ClientHello, or the HELLO it answers a tsubame peer with.
+        assert!(matches!(check_magic(&[0x16, 3, 1, 2, 0, 1, 0, 1]), Err(SecureError::ModeMismatch { .. })));
+        hello[..8].copy_from_slice(&MAGIC);
+        hello[8] = MODE_TLS;
+        assert!(matches!(check_hello(&hello), Err(SecureError::ModeMismatch { .. })));
         assert!(Psk::new(b"short".to_vec()).is_err());
     }
 }

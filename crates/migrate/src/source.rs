@@ -238,7 +238,7 @@ impl SourceRun<'_> {
             for w in &writers {
                 let fd = crate::pipeline::tcp_fd(w).ok_or_else(|| {
                     SourceError::BadOptions(format!(
-                        "--zero-copy needs a plain tcp: connection (no unix:, no --psk-file), not {to}"
+                        "--zero-copy needs a plain tcp: connection (no unix:, no --psk-file or --tls-*), not {to}"
                     ))
                 })?;
                 zerocopy::enable(fd).map_err(|e| {

@@ -34,15 +34,18 @@ pub enum TransportError {
         source: crate::secure::SecureError,
     },
     /// Plain TCP with a peer that is not on this host.
-    #[error("refusing unencrypted TCP with {0}, which is not a loopback address: use --psk-file on both ends, or --insecure")]
+    #[error("refusing unencrypted TCP with {0}, which is not a loopback address: use --psk-file or --tls-cert, --tls-key and --tls-ca on both ends, or --insecure")]
     Insecure(String),
 }
 
-/// How connections are protected.
+/// How connections are protected: a pre-shared key, mutual TLS, or
+/// neither (then plain TCP only with loopback peers unless `insecure`).
 #[derive(Debug, Clone, Default)]
 pub struct Security {
     /// Authenticate and encrypt with this pre-shared key.
     pub psk: Option<crate::secure::Psk>,
+    /// Authenticate with these certificates (mutual TLS 1.3) and encrypt.
+    pub tls: Option<crate::secure::TlsConfig>,
     /// Allow plain TCP with peers that are not on this host.
     pub insecure: bool,
 }
@@ -53,13 +56,19 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 impl Security {
     /// Protects a freshly accepted connection (the destination's end).
     pub fn accepted(&self, stream: Stream) -> Result<Stream, TransportError> {
-        self.protect(stream, crate::secure::Role::Server)
+        self.protect(stream, crate::secure::Role::Server, "")
     }
 
-    /// Authenticates `stream` (plain TCP: checks the peer is local).
-    fn protect(&self, stream: Stream, role: crate::secure::Role) -> Result<Stream, TransportError> {
+    /// True when connections are authenticated and encrypted.
+    pub fn is_secure(&self) -> bool {
+        self.psk.is_some() || self.tls.is_some()
+    }
+
+    /// Authenticates `stream` (plain TCP: checks the peer is local); a
+    /// client checks a TLS server's certificate against `server_name`.
+    fn protect(&self, stream: Stream, role: crate::secure::Role, server_name: &str) -> Result<Stream, TransportError> {
         let peer = stream.peer_name();
-        let Some(psk) = &self.psk else {
+        if !self.is_secure() {
             if let Stream::Tcp(s) = &stream {
                 let local = s.peer_addr().map(|a| a.ip().is_loopback()).unwrap_or(false);
                 if !local && !self.insecure {
@@ -68,16 +77,22 @@ impl Security {
                 }
             }
             return Ok(stream);
-        };
+        }
         let secure = |source| TransportError::Secure { peer: peer.clone(), source };
         let io = |e: std::io::Error| secure(crate::secure::SecureError::Io(e));
         stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
-        let keys = crate::secure::psk_handshake(&mut RawRef(&stream), psk, role).map_err(|e| {
+        let channel = match (&self.psk, &self.tls) {
+            (Some(psk), None) => crate::secure::psk_handshake(&mut RawRef(&stream), psk, role)
+                .map(|keys| crate::secure::Channel::new(&keys)),
+            (None, Some(tls)) => crate::secure::tls_handshake(&mut RawRef(&stream), tls, role, server_name),
+            _ => Err(crate::secure::SecureError::BothModes),
+        }
+        .map_err(|e| {
             stream.shutdown();
             secure(e)
         })?;
         stream.set_read_timeout(None).map_err(io)?;
-        Ok(Stream::Secure(Arc::new(Secured { raw: stream, channel: crate::secure::Channel::new(&keys) })))
+        Ok(Stream::Secure(Arc::new(Secured { raw: stream, channel })))
     }
 }
 
@@ -168,7 +183,8 @@ impl Stream {
     /// Connects to `addr` as [`Stream::connect`] does, then protects the
     /// connection as `security` says.
     pub fn connect_with(addr: &Address, patience: Duration, security: &Security) -> Result<Stream, TransportError> {
-        security.protect(Stream::connect(addr, patience)?, crate::secure::Role::Client)
+        let name = crate::secure::tls::server_name(addr);
+        security.protect(Stream::connect(addr, patience)?, crate::secure::Role::Client, &name)
     }
 
     /// The peer, for messages.

@@ -106,6 +106,9 @@ pub enum WireError {
     /// The peer is not a tsubame migration stream.
     #[error("peer is not a tsubame migration stream (bad magic)")]
     BadMagic,
+    /// The peer wants an authenticated connection and this end is plain.
+    #[error("the peer started {0}, and this end is plain: give it the peer's security flags (--psk-file, or --tls-cert, --tls-key and --tls-ca)")]
+    PeerIsSecure(&'static str),
     /// The peer speaks another version.
     #[error("peer speaks stream version {peer}, this tsubame speaks {VERSION}")]
     VersionMismatch {
@@ -159,6 +162,12 @@ pub fn read_preamble(r: &mut impl Read) -> Result<(), WireError> {
     let mut p = [0u8; PREAMBLE_LEN];
     r.read_exact(&mut p)?;
     if p[..8] != MAGIC {
+        if p[..8] == crate::secure::MAGIC {
+            return Err(WireError::PeerIsSecure("a tsubame secure handshake"));
+        }
+        if crate::secure::tls::is_client_hello(&p) {
+            return Err(WireError::PeerIsSecure("a TLS handshake"));
+        }
         return Err(WireError::BadMagic);
     }
     let peer = u32::from_le_bytes(p[8..12].try_into().unwrap());
@@ -511,6 +520,11 @@ mod tests {
         write_preamble(&mut other, VERSION + 1).unwrap();
         assert!(matches!(read_preamble(&mut other.as_slice()), Err(WireError::VersionMismatch { peer: 3 })));
         assert!(matches!(read_preamble(&mut &[0u8; 16][..]), Err(WireError::BadMagic)));
+        let mut secure = [0u8; 16];
+        secure[..8].copy_from_slice(&crate::secure::MAGIC);
+        assert!(matches!(read_preamble(&mut &secure[..]), Err(WireError::PeerIsSecure(_))));
+        let client_hello = [0x16, 3, 1, 0, 200, 1, 0, 0, 196, 3, 3, 0, 0, 0, 0, 0];
+        assert!(matches!(read_preamble(&mut &client_hello[..]), Err(WireError::PeerIsSecure("a TLS handshake"))));
     }
 
     #[test]
