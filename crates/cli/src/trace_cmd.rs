@@ -252,7 +252,8 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         anyhow::anyhow!("the trace is too short to fit D(t): record at least a second with several intervals")
     })?;
     println!(
-        "D(t) = M - M*(1/2)^(t(1-beta)/tau): M = {:.0} pages ({}), tau = {:.3} s, R^2 = {:.4}, RMSE = {:.0} pages",
+        "D(t) = M - M*(1/2)^(t(1-beta)/tau), t in seconds of guest work: M = {:.0} pages ({}), tau = {:.3} s, \
+         R^2 = {:.4}, RMSE = {:.0} pages",
         model.m,
         format_bytes((model.m * 4096.0) as u64),
         model.tau,

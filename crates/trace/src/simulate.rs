@@ -153,7 +153,7 @@ fn cost(method: Method, d: &Dirty, granularity: u32) -> f64 {
 pub struct GuestClock {
     /// Work-seconds at each interval's end, ascending.
     pub work: Vec<f64>,
-    /// Work-seconds of one pass over the trace (it loops).
+    /// Work-seconds of one pass over the trace (it loops, from interval 1).
     pub span: f64,
     /// Wall seconds one fault costs the guest.
     pub fault_s: f64,
@@ -164,7 +164,7 @@ impl GuestClock {
     pub fn of(trace: &Trace) -> GuestClock {
         let wall: Vec<f64> = trace.intervals.iter().map(|i| i.at_us as f64 / 1e6).collect();
         if !trace.has_guest_ops() {
-            let span = wall.last().copied().unwrap_or(0.0);
+            let span = wall.last().zip(wall.first()).map_or(0.0, |(l, f)| l - f);
             return GuestClock { work: wall, span, fault_s: 0.0 };
         }
         let native = trace.setup.native_ops_per_sec as f64;
@@ -237,11 +237,19 @@ struct ReplayState {
 }
 
 /// Where the replay stands: an interval index and the lap (pass over the
-/// trace) it is in.
-#[derive(Debug, Clone, Copy, Default)]
+/// trace) it is in. Interval 0 is never replayed: it holds what the guest
+/// dirtied while the tracer first read all memory, over a stretch of work
+/// the trace cannot place (the ops counter starts at its end).
+#[derive(Debug, Clone, Copy)]
 struct Cursor {
     lap: u64,
     next: usize,
+}
+
+impl Default for Cursor {
+    fn default() -> Cursor {
+        Cursor { lap: 0, next: 1 }
+    }
 }
 
 /// One iteration of the guest running while `sending` goes out: walks the
@@ -262,10 +270,10 @@ fn run_guest(
     let ReplayState { cursor, faulted, huge } = state;
     let mut next = std::collections::BTreeMap::new();
     faulted.iter_mut().for_each(|w| *w = 0);
-    if clock.span <= 0.0 || trace.intervals.is_empty() {
+    if clock.span <= 0.0 || trace.intervals.len() < 2 {
         return next;
     }
-    let start_work = cursor.lap as f64 * clock.span + if cursor.next == 0 { 0.0 } else { clock.work[cursor.next - 1] };
+    let start_work = cursor.lap as f64 * clock.span + clock.work[cursor.next - 1];
     let mut faults = 0u64;
     loop {
         let i = cursor.next;
@@ -297,7 +305,7 @@ fn run_guest(
         }
         cursor.next += 1;
         if cursor.next == trace.intervals.len() {
-            cursor.next = 0;
+            cursor.next = 1;
             cursor.lap += 1;
         }
     }
