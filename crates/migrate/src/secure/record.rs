@@ -208,7 +208,11 @@ impl Sealer {
         for batch in data.chunks(BATCH) {
             // Sealed in place in one reused buffer: no allocation per record.
             self.buf.clear();
-            for chunk in batch.chunks(self.format.max_plaintext()) {
+            // 16 KiB records in both formats: the peer opens and hands on
+            // each record as it lands, so smaller ones overlap decryption
+            // with the transfer (256 KiB PSK records cost 1.6x plain
+            // against TLS's 1.3x on a 2 GiB kv migration).
+            for chunk in batch.chunks(self.format.max_plaintext().min(TLS_MAX_PLAINTEXT)) {
                 self.seal(CONTENT_APPLICATION_DATA, chunk)?;
             }
             w.write_all(&self.buf)?;
