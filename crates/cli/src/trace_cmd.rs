@@ -222,8 +222,18 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// A trace from `tsubame trace`.
+    #[arg(long, required_unless_present = "control", conflicts_with = "control")]
+    pub trace: Option<PathBuf>,
+    /// Or: the control socket of a running VM (`tsubame run --control`);
+    /// plan records a trace of it first (the VM keeps running).
     #[arg(long)]
-    pub trace: PathBuf,
+    pub control: Option<PathBuf>,
+    /// With --control: how long to record, in seconds.
+    #[arg(long, default_value_t = 10.0, requires = "control")]
+    pub seconds: f64,
+    /// With --control: time between dirty-log reads.
+    #[arg(long, default_value = "50ms", requires = "control")]
+    pub interval: String,
     /// Bandwidths to predict for, comma-separated.
     #[arg(long, default_value = "100Mbit,1Gbit,2.5Gbit,10Gbit")]
     pub bandwidths: String,
@@ -246,7 +256,23 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
     if !(0.0..1.0).contains(&args.beta) {
         return Err(usage_error("--beta must be in [0, 1)"));
     }
-    let trace = open_trace(&args.trace)?;
+    let trace = match (&args.trace, &args.control) {
+        (Some(path), _) => open_trace(path)?,
+        (None, Some(control)) => {
+            let path = std::env::temp_dir().join(format!("tsubame-plan-{}.trace", std::process::id()));
+            let recorded = trace(TraceArgs {
+                control: control.clone(),
+                out: path.clone(),
+                interval: args.interval.clone(),
+                seconds: args.seconds,
+                granularity: 128,
+            })
+            .and_then(|_| open_trace(&path));
+            let _ = std::fs::remove_file(&path);
+            recorded?
+        }
+        (None, None) => return Err(usage_error("give --trace FILE or --control PATH")),
+    };
     let curve = measure_dirty_curve(&trace);
     let model = fit(&curve).ok_or_else(|| {
         anyhow::anyhow!("the trace is too short to fit D(t): record at least a second with several intervals")

@@ -34,6 +34,17 @@ fn trace_simulate_plan() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("intervals"));
+    // plan can record its own trace of the running VM.
+    let out = tsubame()
+        .arg("plan")
+        .arg("--control")
+        .arg(&socket)
+        .args(["--seconds", "2", "--bandwidths", "1Gbit"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("R^2 = ") && text.contains("page "), "{text}");
     let _ = vm.kill();
     let _ = vm.wait();
 
