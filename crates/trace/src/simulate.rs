@@ -193,10 +193,18 @@ impl GuestClock {
         let span = *work.last().unwrap();
         // Wall time until the last step, less the work done in it, is what
         // the faults (and the tracer's work per fault) cost the guest.
+        // Interval 0 (the tracer's first pass) is outside the work clock.
         let last_step = steps.last().unwrap().0;
-        let faults: usize =
-            trace.intervals.iter().zip(&wall).filter(|(_, &t)| t <= last_step).map(|(i, _)| i.changes.len()).sum();
-        let fault_s = if faults > 0 { ((last_step - span) / faults as f64).max(0.0) } else { 0.0 };
+        let faults: usize = trace
+            .intervals
+            .iter()
+            .zip(&wall)
+            .skip(1)
+            .filter(|(_, &t)| t <= last_step)
+            .map(|(i, _)| i.changes.len())
+            .sum();
+        let wall_span = last_step - wall[0];
+        let fault_s = if faults > 0 { ((wall_span - span) / faults as f64).max(0.0) } else { 0.0 };
         GuestClock { work, span, fault_s }
     }
 }
