@@ -171,7 +171,7 @@ impl GuestClock {
         // The counter moves in steps (a progress line every ~50 ms of guest
         // work): place each step at the first tick that saw it and
         // interpolate between steps.
-        let mut steps: Vec<(f64, f64)> = vec![(0.0, trace.intervals[0].ops as f64)];
+        let mut steps: Vec<(f64, f64)> = vec![(wall[0], trace.intervals[0].ops as f64)];
         for (i, interval) in trace.intervals.iter().enumerate() {
             if interval.ops as f64 > steps.last().unwrap().1 {
                 steps.push((wall[i], interval.ops as f64));
