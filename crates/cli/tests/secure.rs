@@ -175,6 +175,18 @@ fn wait_log(dir: &Path, what: &str) -> String {
     }
 }
 
+/// An encrypted migration completed, its memory verified, the destination
+/// runs the VM, and the proxy saw neither guest memory nor the preamble.
+fn assert_migrated_encrypted(dir: &Path, code: i32, text: &str, stats: &Value, bytes: &[u8]) {
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(stats["digest_verified"], true);
+    assert!(bytes.len() > 1 << 20, "only {} bytes went through the proxy", bytes.len());
+    assert!(!contains(bytes, MARKER), "guest memory crossed the wire in the clear");
+    assert!(!contains(bytes, "TSBMIGR"), "the migration preamble crossed the wire in the clear");
+    let later = control(&dir.join("dest.sock"), &json!({"cmd": "stats"}));
+    assert_eq!(later["status"], "running", "{later}");
+}
+
 #[test]
 fn plain_stream_carries_guest_memory_in_the_clear() {
     // The control experiment: the marker is visible when nothing encrypts.
@@ -199,13 +211,7 @@ fn psk_migration_is_encrypted_and_completes() {
     let _s = source(&dir);
     let _d = destination(&dir, &["--psk-file", k.to_str().unwrap()]);
     let (code, text, stats, bytes) = migrate_recorded(&dir, &["--psk-file", k.to_str().unwrap(), "--channels", "2"]);
-    assert_eq!(code, 0, "{text}");
-    assert_eq!(stats["digest_verified"], true);
-    assert!(bytes.len() > 1 << 20, "only {} bytes went through the proxy", bytes.len());
-    assert!(!contains(&bytes, MARKER), "guest memory crossed the wire in the clear");
-    assert!(!contains(&bytes, "TSBMIGR"), "the migration preamble crossed the wire in the clear");
-    let later = control(&dir.join("dest.sock"), &json!({"cmd": "stats"}));
-    assert_eq!(later["status"], "running", "{later}");
+    assert_migrated_encrypted(&dir, code, &text, &stats, &bytes);
 }
 
 #[test]
@@ -372,16 +378,10 @@ fn tls_migration_is_encrypted_and_completes() {
     let client = pki.args("client", "ca");
     let extra = [strs(&client), vec!["--channels", "2"]].concat();
     let (code, text, stats, bytes) = migrate_through(&dir, &format!("tcp:127.0.0.1:{proxy}"), seen, &extra);
-    assert_eq!(code, 0, "{text}");
-    assert_eq!(stats["digest_verified"], true);
+    assert_migrated_encrypted(&dir, code, &text, &stats, &bytes);
     assert_eq!(stats["pipeline"]["channels"], 2, "{stats}");
-    assert!(bytes.len() > 1 << 20, "only {} bytes went through the proxy", bytes.len());
     // A TLS handshake record first, then nothing in the clear.
     assert_eq!(bytes[..3], [0x16, 0x03, 0x01], "the source did not start with a TLS ClientHello");
-    assert!(!contains(&bytes, MARKER), "guest memory crossed the wire in the clear");
-    assert!(!contains(&bytes, "TSBMIGR"), "the migration preamble crossed the wire in the clear");
-    let later = control(&dir.join("dest.sock"), &json!({"cmd": "stats"}));
-    assert_eq!(later["status"], "running", "{later}");
 }
 
 #[test]
