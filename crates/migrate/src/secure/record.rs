@@ -35,6 +35,8 @@ const TAG_LEN: usize = 16;
 /// Plaintext sealed into one buffer before it is written (one system
 /// call for up to sixteen TLS records).
 const BATCH: usize = 256 * 1024;
+/// Bytes read from the connection at most at once when opening.
+const READ_AHEAD: usize = 256 * 1024;
 
 /// TLS content types (RFC 8446 §5.1).
 const CONTENT_ALERT: u8 = 0x15;
@@ -246,14 +248,19 @@ impl Sealer {
     }
 }
 
-/// Opening state of one direction, with what was opened and not yet read.
+/// Opening state of one direction: what was read from the connection and
+/// not yet opened, and the opened plaintext not yet handed on.
 pub struct Opener {
     key: LessSafeKey,
     format: RecordFormat,
     seq: u64,
-    record: Vec<u8>,
+    /// Bytes read from the connection, opened in place: `buf[start..end]`
+    /// is plaintext not yet read, `buf[pos..filled]` bytes not yet opened.
+    buf: Vec<u8>,
     start: usize,
     end: usize,
+    pos: usize,
+    filled: usize,
     closed: bool,
 }
 
@@ -265,7 +272,7 @@ impl Opener {
 
     /// Opens records of `format` with `key`, the first numbered `seq`.
     pub fn with_format(k: &[u8; 32], format: RecordFormat, seq: u64) -> Opener {
-        Opener { key: key(k), format, seq, record: Vec::new(), start: 0, end: 0, closed: false }
+        Opener { key: key(k), format, seq, buf: Vec::new(), start: 0, end: 0, pos: 0, filled: 0, closed: false }
     }
 
     /// Reads plaintext, opening the next records from `r` when needed.
@@ -283,41 +290,64 @@ impl Opener {
             }
         }
         let n = buf.len().min(self.end - self.start);
-        buf[..n].copy_from_slice(&self.record[self.start..self.start + n]);
+        buf[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
         self.start += n;
         Ok(n)
     }
 
-    /// Opens the next record; false at the end of the stream.
-    fn open_next(&mut self, r: &mut impl Read) -> std::io::Result<bool> {
-        let mut header = [0u8; 5];
-        let header_len = self.format.header_len();
-        // A clean end of stream before a record is an end of stream.
-        let mut got = 0;
-        while got < header_len {
-            let n = r.read(&mut header[got..header_len])?;
+    /// Makes `need` unopened bytes available, reading ahead as much as
+    /// the connection has (one system call for many records, not two for
+    /// each); false when the connection ended cleanly before any.
+    fn fill(&mut self, r: &mut impl Read, need: usize) -> std::io::Result<bool> {
+        if self.buf.is_empty() {
+            // A fixed size that holds the largest record, never one the
+            // peer chooses.
+            self.buf = vec![0; READ_AHEAD.max(self.format.header_len() + self.format.max_plaintext() + TAG_LEN + 1)];
+        }
+        if self.pos + need > self.buf.len() {
+            self.buf.copy_within(self.pos..self.filled, 0);
+            self.filled -= self.pos;
+            self.pos = 0;
+        }
+        while self.filled - self.pos < need {
+            let n = r.read(&mut self.buf[self.filled..])?;
             if n == 0 {
-                if got == 0 {
+                if self.filled == self.pos {
                     return Ok(false);
                 }
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
-            got += n;
+            self.filled += n;
         }
+        Ok(true)
+    }
+
+    /// Opens the next record; false at the end of the stream.
+    fn open_next(&mut self, r: &mut impl Read) -> std::io::Result<bool> {
+        let header_len = self.format.header_len();
+        // A clean end of stream before a record is an end of stream.
+        if !self.fill(r, header_len)? {
+            return Ok(false);
+        }
+        let mut header = [0u8; 5];
+        header[..header_len].copy_from_slice(&self.buf[self.pos..self.pos + header_len]);
         let n = self.format.body_len(&header).map_err(RecordError::io)?;
         if self.seq >= self.format.record_limit() {
             return Err(RecordError::Exhausted.io());
         }
-        self.record.resize(n, 0);
-        r.read_exact(&mut self.record)?;
+        if !self.fill(r, header_len + n)? {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let body = self.pos + header_len;
         let plain = self
             .key
-            .open_in_place(self.format.nonce(self.seq), Aad::from(&header[..header_len]), &mut self.record)
+            .open_in_place(self.format.nonce(self.seq), Aad::from(&header[..header_len]), &mut self.buf[body..body + n])
             .map_err(|_| RecordError::Forged.io())?
             .len();
         self.seq += 1;
-        self.start = 0;
-        self.end = plain;
+        self.pos = body + n;
+        self.start = body;
+        self.end = body + plain;
         if let RecordFormat::Tls13 { .. } = self.format {
             return self.inner_content();
         }
@@ -327,16 +357,17 @@ impl Opener {
     /// Finds a TLS 1.3 record's inner content type (after any zero
     /// padding) and acts on it; false at close_notify.
     fn inner_content(&mut self) -> std::io::Result<bool> {
-        let Some(at) = self.record[..self.end].iter().rposition(|&b| b != 0) else {
+        let Some(at) = self.buf[self.start..self.end].iter().rposition(|&b| b != 0) else {
             return Err(RecordError::NoContentType.io());
         };
-        let content = self.record[at];
+        let at = self.start + at;
+        let content = self.buf[at];
         self.end = at;
         match content {
             CONTENT_APPLICATION_DATA => Ok(true),
             CONTENT_ALERT => {
-                let alert = &self.record[..at];
-                self.end = 0;
+                let alert = &self.buf[self.start..at];
+                self.end = self.start;
                 if alert.len() != 2 {
                     return Err(RecordError::BadAlert(alert.len()).io());
                 }
@@ -346,17 +377,17 @@ impl Opener {
                 Err(RecordError::Alert { name: alert_name(alert[1]), code: alert[1] }.io())
             }
             CONTENT_HANDSHAKE => {
-                let name = match self.record.first() {
-                    Some(4) if at > 0 => "NewSessionTicket",
-                    Some(24) if at > 0 => "KeyUpdate",
-                    Some(13) if at > 0 => "CertificateRequest",
+                let name = match self.buf[self.start..at].first() {
+                    Some(4) => "NewSessionTicket",
+                    Some(24) => "KeyUpdate",
+                    Some(13) => "CertificateRequest",
                     _ => "a handshake message",
                 };
-                self.end = 0;
+                self.end = self.start;
                 Err(RecordError::PostHandshake(name).io())
             }
             other => {
-                self.end = 0;
+                self.end = self.start;
                 Err(RecordError::ContentType(other).io())
             }
         }
@@ -447,6 +478,46 @@ mod tests {
             let out = read_all(&mut Opener::with_format(&KEY, format, seq), &wire.0).unwrap();
             assert_eq!(out.len(), data.len() + 4);
             assert!(out.starts_with(&data) && out.ends_with(b"tail"));
+        }
+    }
+
+    /// A reader that hands out at most `step` bytes per call and counts calls.
+    struct Trickle<'a>(&'a [u8], usize, usize);
+    impl Read for Trickle<'_> {
+        fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+            self.2 += 1;
+            let n = b.len().min(self.1).min(self.0.len());
+            b[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn records_open_from_reads_of_any_size() {
+        let data = data();
+        for format in [RecordFormat::Tsubame, TLS] {
+            let mut wire = Vec::new();
+            Sealer::with_format(&KEY, format, 0).write_all(&mut wire, &data).unwrap();
+            let records = data.len().div_ceil(TLS_MAX_PLAINTEXT);
+            for step in [1, 7, 4096, usize::MAX] {
+                let mut opener = Opener::with_format(&KEY, format, 0);
+                let mut reader = Trickle(&wire, step, 0);
+                let mut out = Vec::new();
+                let mut buf = [0u8; 5000];
+                loop {
+                    let n = opener.read(&mut reader, &mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    out.extend_from_slice(&buf[..n]);
+                }
+                assert!(out == data, "{step}-byte reads");
+                if step == usize::MAX {
+                    // Read ahead: a few calls for the 37 records, not two each.
+                    assert!(reader.2 < records / 4, "{} reads for {records} records", reader.2);
+                }
+            }
         }
     }
 
