@@ -81,6 +81,9 @@ pub struct SimIteration {
     pub bytes: f64,
     /// Seconds on the wire.
     pub duration_s: f64,
+    /// The guest's modelled speed while it was on the wire, as a fraction
+    /// of its undisturbed speed (0 for the stop-and-copy: paused).
+    pub guest_speed: f64,
 }
 
 /// A simulated migration.
@@ -153,10 +156,15 @@ fn cost(method: Method, d: &Dirty, granularity: u32) -> f64 {
 pub struct GuestClock {
     /// Work-seconds at each interval's end, ascending.
     pub work: Vec<f64>,
-    /// Work-seconds of one pass over the trace (it loops, from interval 1).
+    /// Work-seconds of one pass over the trace.
     pub span: f64,
     /// Wall seconds one fault costs the guest.
     pub fault_s: f64,
+    /// The interval a replay goes on from after the trace's end: the first
+    /// past half its work. Its start is the tracer's warm-up (the writes
+    /// of the first pass, every page faulting once, 2 MiB pieces being
+    /// split), which a migration already running does not see again.
+    pub loop_from: usize,
 }
 
 impl GuestClock {
@@ -165,7 +173,8 @@ impl GuestClock {
         let wall: Vec<f64> = trace.intervals.iter().map(|i| i.at_us as f64 / 1e6).collect();
         if !trace.has_guest_ops() {
             let span = wall.last().zip(wall.first()).map_or(0.0, |(l, f)| l - f);
-            return GuestClock { work: wall, span, fault_s: 0.0 };
+            let loop_from = loop_from(&wall, span);
+            return GuestClock { work: wall, span, fault_s: 0.0, loop_from };
         }
         let native = trace.setup.native_ops_per_sec as f64;
         // The counter moves in steps (a progress line every ~50 ms of guest
@@ -205,8 +214,15 @@ impl GuestClock {
             .sum();
         let wall_span = last_step - wall[0];
         let fault_s = if faults > 0 { ((wall_span - span) / faults as f64).max(0.0) } else { 0.0 };
-        GuestClock { work, span, fault_s }
+        let loop_from = loop_from(&work, span);
+        GuestClock { work, span, fault_s, loop_from }
     }
+}
+
+/// The first interval (never 0) whose work is past half of `span`.
+fn loop_from(work: &[f64], span: f64) -> usize {
+    let half = work.first().copied().unwrap_or(0.0) + span / 2.0;
+    work.iter().position(|&w| w > half).unwrap_or(1).clamp(1, work.len().saturating_sub(1).max(1))
 }
 
 /// Pages per 2 MiB piece.
@@ -244,19 +260,20 @@ struct ReplayState {
     huge: HugeMaps,
 }
 
-/// Where the replay stands: an interval index and the lap (pass over the
-/// trace) it is in. Interval 0 is never replayed: it holds what the guest
-/// dirtied while the tracer first read all memory, over a stretch of work
-/// the trace cannot place (the ops counter starts at its end).
+/// Where the replay stands: the next interval, and the work-seconds
+/// added to the trace's own for the laps already replayed. Interval 0 is
+/// never replayed: it holds what the guest dirtied while the tracer first
+/// read all memory, over a stretch of work the trace cannot place (the
+/// ops counter starts at its end).
 #[derive(Debug, Clone, Copy)]
 struct Cursor {
-    lap: u64,
+    base: f64,
     next: usize,
 }
 
 impl Default for Cursor {
     fn default() -> Cursor {
-        Cursor { lap: 0, next: 1 }
+        Cursor { base: 0.0, next: 1 }
     }
 }
 
@@ -274,22 +291,24 @@ fn run_guest(
     state: &mut ReplayState,
     wall_s: f64,
     send_at: &dyn Fn(u64) -> Option<f64>,
-) -> std::collections::BTreeMap<u64, Dirty> {
+) -> (std::collections::BTreeMap<u64, Dirty>, f64) {
     let ReplayState { cursor, faulted, huge } = state;
     let mut next = std::collections::BTreeMap::new();
     faulted.iter_mut().for_each(|w| *w = 0);
     if clock.span <= 0.0 || trace.intervals.len() < 2 {
-        return next;
+        return (next, 0.0);
     }
-    let start_work = cursor.lap as f64 * clock.span + clock.work[cursor.next - 1];
+    let start_work = cursor.base + clock.work[cursor.next - 1];
     let mut faults = 0u64;
+    let mut work = 0.0;
     loop {
         let i = cursor.next;
-        let at_work = cursor.lap as f64 * clock.span + clock.work[i];
+        let at_work = cursor.base + clock.work[i];
         let elapsed = (at_work - start_work) / options.guest_speed + clock.fault_s * faults as f64;
         if elapsed > wall_s {
             break;
         }
+        work = at_work - start_work;
         for c in &trace.intervals[i].changes {
             let (w, bit) = ((c.page / 64) as usize, 1u64 << (c.page % 64));
             if faulted[w] & bit == 0 {
@@ -313,11 +332,12 @@ fn run_guest(
         }
         cursor.next += 1;
         if cursor.next == trace.intervals.len() {
-            cursor.next = 1;
-            cursor.lap += 1;
+            // On from `loop_from`, whose predecessor lines up with the end.
+            cursor.base += clock.work[clock.work.len() - 1] - clock.work[clock.loop_from - 1];
+            cursor.next = clock.loop_from;
         }
     }
-    next
+    (next, work)
 }
 
 /// Replays `trace` under `method` and `options`, with tsubame's stop
@@ -346,9 +366,16 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let mut count = pages;
     let (converged, reason, last) = loop {
         let duration = bytes / options.bandwidth;
-        iterations.push(SimIteration { index: iterations.len() as u32, pages: count, bytes, duration_s: duration });
         let turn = |p: u64| Some(send_at[p as usize]).filter(|t| !t.is_nan());
-        let dirty = run_guest(trace, &clock, options, &mut state, duration, &turn);
+        let (dirty, work) = run_guest(trace, &clock, options, &mut state, duration, &turn);
+        let guest_speed = if duration > 0.0 { work / duration } else { 0.0 };
+        iterations.push(SimIteration {
+            index: iterations.len() as u32,
+            pages: count,
+            bytes,
+            duration_s: duration,
+            guest_speed,
+        });
         now += duration;
         send_at.iter_mut().for_each(|t| *t = f64::NAN);
         bytes = 0.0;
@@ -373,7 +400,13 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         }
     };
     let downtime = last / options.bandwidth;
-    iterations.push(SimIteration { index: iterations.len() as u32, pages: count, bytes: last, duration_s: downtime });
+    iterations.push(SimIteration {
+        index: iterations.len() as u32,
+        pages: count,
+        bytes: last,
+        duration_s: downtime,
+        guest_speed: 0.0,
+    });
     SimResult {
         method,
         bytes_total: iterations.iter().map(|i| i.bytes).sum(),
@@ -472,6 +505,25 @@ mod tests {
         assert_eq!(r.iterations[2].pages, 2, "{r:?}");
         // Sub-pages send nothing for the unchanged pages of a piece.
         let r = simulate(&two_page_trace(true), Method::Subpage, &options);
+        assert_eq!(r.iterations[1].pages, 2, "{r:?}");
+    }
+
+    #[test]
+    fn a_replay_past_the_end_skips_the_tracers_warm_up() {
+        // 1 s of trace: the first 100 ms write 500 other pages (the
+        // tracer's warm-up), then only pages 0 and 1 are written.
+        let mut trace = two_page_trace(false);
+        let change = |page| PageChange { page, mask: 1, xbzrle_bytes: 10, zero: false };
+        for (i, interval) in trace.intervals.iter_mut().take(10).enumerate() {
+            interval.changes = std::iter::once(0).chain(100 + 50 * i as u64..150 + 50 * i as u64).map(change).collect();
+        }
+        assert!((49..=51).contains(&GuestClock::of(&trace).loop_from));
+        // 1 MB/s: iteration 0 takes ~8 s, eight passes over the trace; the
+        // 500 pages are written long before their turn (0.4-2.4 s) and,
+        // the warm-up not coming back, never after it.
+        let options =
+            SimOptions { bandwidth: 1e6, downtime_limit: 0.001, max_iterations: 2, guest_speed: 1.0, huge_pages: None };
+        let r = simulate(&trace, Method::Page, &options);
         assert_eq!(r.iterations[1].pages, 2, "{r:?}");
     }
 
