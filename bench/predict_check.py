@@ -141,6 +141,7 @@ def main():
         subprocess.run(mig_cmd, check=True, stdout=subprocess.DEVNULL)
         migrating = sampler.rate(t2, time.monotonic() - 0.5)
         sampler.stop.set()
+        migrating_samples = [(t - t2, o) for t, o in sampler.samples if t >= t2 - 0.5]
         dst.terminate()
     finally:
         for p in procs:
@@ -148,11 +149,29 @@ def main():
                 p.kill()
             p.wait()
     doc = {"commands": [run_cmd, trace_cmd, sim_cmd, plan_cmd, mig_cmd], "native_ops": native,
-           "tracing_ops": tracing, "migrating_ops": migrating, "real": json.load(open(real_json)),
+           "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples,
+           "real": json.load(open(real_json)),
            "simulate": json.load(open(sim_json)), "plan": json.load(open(plan_json)),
            "simulate_text": sim_text, "plan_text": plan_text}
     json.dump(doc, open(os.path.join(out, "check.json"), "w"), indent=1)
     report(out, doc)
+
+
+def real_guest_speeds(doc):
+    """The guest's ops/s over each real pre-copy iteration, as a fraction of
+    its speed before tracing (from the samples taken while migrating)."""
+    samples, native = doc.get("migrating_samples"), doc["native_ops"]
+    if not samples or not native:
+        return None
+    at = doc["real"].get("setup_time_ms", 0) / 1e3
+    speeds = []
+    for it in doc["real"]["per_iteration"][:-1]:
+        end = at + it["duration_ms"] / 1e3
+        inside = [(t, o) for t, o in samples if at <= t <= end]
+        ok = len(inside) >= 2 and inside[-1][0] - inside[0][0] >= 0.15
+        speeds.append((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]) / native if ok else None)
+        at = end
+    return speeds
 
 
 def report(out, doc):
@@ -182,6 +201,14 @@ def report(out, doc):
     print("\nreal iterations (pages sent, ms):", [(i["pages_sent"], round(i["duration_ms"])) for i in its])
     for r in sim:
         print(f"simulate {r['method']} iterations:", [(i["pages"], round(i["duration_s"] * 1e3)) for i in r["iterations"]])
+    speeds = real_guest_speeds(doc)
+    if speeds:
+        print("\nguest speed per iteration, fraction of before (real, from progress lines):",
+              [round(x, 2) if x is not None else None for x in speeds])
+        for r in sim:
+            if "guest_speed" in r["iterations"][0]:
+                print(f"guest speed per iteration (simulate {r['method']}, modelled):",
+                      [round(i["guest_speed"], 2) for i in r["iterations"][:-1]])
     print(doc["simulate_text"])
     print(doc["plan_text"])
 
