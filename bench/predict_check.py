@@ -78,6 +78,29 @@ class OpsSampler:
         return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
+def vcpu_schedstat(pid):
+    """(seconds on CPU, seconds runnable but waiting) of the VM's vCPU
+    thread, from /proc's schedstat; None when it cannot be read."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == "vcpu0":
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        run, wait = f.read().split()[:2]
+                    return time.monotonic(), int(run) / 1e9, int(wait) / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def shares(a, b):
+    """The vCPU's share of wall time on a CPU and waiting for one."""
+    if not a or not b or b[0] <= a[0]:
+        return None
+    wall = b[0] - a[0]
+    return {"running": (b[1] - a[1]) / wall, "waiting": (b[2] - a[2]) / wall}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory", default="1G")
@@ -115,13 +138,16 @@ def main():
         sampler = OpsSampler(src_sock)
         time.sleep(args.warmup)
         t0 = time.monotonic()
+        s0 = vcpu_schedstat(vm.pid)
         time.sleep(2.0)
         native = sampler.rate(t0, time.monotonic())
+        s1 = vcpu_schedstat(vm.pid)
         trace_cmd = [TSUBAME, "trace", "--control", src_sock, "--out", trace_file, "--seconds", str(args.seconds),
                      "--interval", args.interval, "--granularity", str(args.granularity)]
         t1 = time.monotonic()
         subprocess.run(trace_cmd, check=True)
         tracing = sampler.rate(t1, time.monotonic())
+        s2 = vcpu_schedstat(vm.pid)
         sim_json = os.path.join(out, "simulate.json")
         sim_cmd = [TSUBAME, "simulate", "--trace", trace_file, "--bandwidth", args.bandwidth,
                    "--method", args.method, "--json", sim_json]
@@ -138,7 +164,9 @@ def main():
                    "--max-bandwidth", args.bandwidth, "--granularity", str(args.migrate_granularity),
                    "--json", real_json]
         t2 = time.monotonic()
+        s3 = vcpu_schedstat(vm.pid)
         subprocess.run(mig_cmd, check=True, stdout=subprocess.DEVNULL)
+        s4 = vcpu_schedstat(vm.pid)
         migrating = sampler.rate(t2, time.monotonic() - 0.5)
         sampler.stop.set()
         migrating_samples = [(t - t2, o) for t, o in sampler.samples if t >= t2 - 0.5]
@@ -150,6 +178,7 @@ def main():
             p.wait()
     doc = {"commands": [run_cmd, trace_cmd, sim_cmd, plan_cmd, mig_cmd], "native_ops": native,
            "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples,
+           "vcpu": {"before": shares(s0, s1), "tracing": shares(s1, s2), "migrating": shares(s3, s4)},
            "real": json.load(open(real_json)),
            "simulate": json.load(open(sim_json)), "plan": json.load(open(plan_json)),
            "simulate_text": sim_text, "plan_text": plan_text}
@@ -182,7 +211,11 @@ def report(out, doc):
     real_bytes = real["bytes_on_wire"]
     print("commands:\n" + "".join("  " + " ".join(c) + "\n" for c in doc["commands"]))
     print(f"guest ops/s: before {native or 0:,.0f}, while traced {tracing or 0:,.0f}, "
-          f"while migrating {migrating or 0:,.0f}\n")
+          f"while migrating {migrating or 0:,.0f}")
+    for phase, v in (doc.get("vcpu") or {}).items():
+        if v:
+            print(f"vCPU thread {phase}: on a CPU {v['running']:.2f} of the time, waiting for one {v['waiting']:.2f}")
+    print()
     print("| | iterations | total (s) | GiB sent | iteration-1 pages |")
     print("|---|---|---|---|---|")
     it1 = its[1]["pages_sent"] if len(its) > 1 else 0
