@@ -219,10 +219,17 @@ impl GuestClock {
     }
 }
 
-/// The first interval (never 0) whose work is past half of `span`.
+/// The first interval (never 0) whose work is past half of `span`; 1
+/// when the part after it holds no work (a lap must move the clock).
 fn loop_from(work: &[f64], span: f64) -> usize {
-    let half = work.first().copied().unwrap_or(0.0) + span / 2.0;
-    work.iter().position(|&w| w > half).unwrap_or(1).clamp(1, work.len().saturating_sub(1).max(1))
+    let (Some(&first), Some(&last)) = (work.first(), work.last()) else {
+        return 1;
+    };
+    let half = first + span / 2.0;
+    match work.iter().position(|&w| w > half) {
+        Some(i) if i >= 1 && last > work[i - 1] => i,
+        _ => 1,
+    }
 }
 
 /// Pages per 2 MiB piece.
