@@ -1222,8 +1222,9 @@ def plot_case(case, runs, out_dir):
                 ax.text(x, value * scale, f"{value * scale:.3g}" + (f"\n{label}" if label else ""),
                         ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(names)))
-        ax.set_xticklabels([f"{n}\n({summaries[n]['completed']}/{summaries[n]['runs']} done)" for n in names],
-                           fontsize=8)
+        # "qemu-multifd-zstd" -> "qemu\nmultifd-zstd": six names side by side fit.
+        ax.set_xticklabels([f"{n.replace('-', chr(10), 1)}\n({summaries[n]['completed']}/{summaries[n]['runs']} done)"
+                            for n in names], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.margins(y=0.25)
         ax.grid(axis="y", alpha=0.3)
