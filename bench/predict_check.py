@@ -53,9 +53,12 @@ def wait_socket(path, proc, what):
 class OpsSampler:
     """Polls the guest's ops counter; mean ops/s over a time window."""
 
-    def __init__(self, sock):
+    def __init__(self, sock, pid):
         self.sock = sock
+        self.pid = pid
         self.samples = []
+        # The vCPU's schedstat too: the VM process is gone once migrated.
+        self.sched = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -69,6 +72,9 @@ class OpsSampler:
                     self.samples.append((time.monotonic(), ops))
             except (OSError, ValueError):
                 pass
+            st = vcpu_schedstat(self.pid)
+            if st:
+                self.sched.append(st)
             time.sleep(0.1)
 
     def rate(self, start, end):
@@ -135,7 +141,7 @@ def main():
         vm = subprocess.Popen(run_cmd)
         procs.append(vm)
         wait_socket(src_sock, vm, "tsubame run")
-        sampler = OpsSampler(src_sock)
+        sampler = OpsSampler(src_sock, vm.pid)
         time.sleep(args.warmup)
         t0 = time.monotonic()
         s0 = vcpu_schedstat(vm.pid)
@@ -166,7 +172,7 @@ def main():
         t2 = time.monotonic()
         s3 = vcpu_schedstat(vm.pid)
         subprocess.run(mig_cmd, check=True, stdout=subprocess.DEVNULL)
-        s4 = vcpu_schedstat(vm.pid)
+        s4 = vcpu_schedstat(vm.pid) or (sampler.sched[-1] if sampler.sched else None)
         migrating = sampler.rate(t2, time.monotonic() - 0.5)
         sampler.stop.set()
         migrating_samples = [(t - t2, o) for t, o in sampler.samples if t >= t2 - 0.5]
