@@ -99,6 +99,18 @@ def vcpu_schedstat(pid):
     return None
 
 
+def pin_vcpu(pid, cpu):
+    """Moves the VM's vCPU thread onto `cpu` alone."""
+    for _ in range(100):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == "vcpu0":
+                    os.sched_setaffinity(int(tid), {cpu})
+                    return
+        time.sleep(0.05)
+    sys.exit("no vcpu0 thread to pin")
+
+
 def shares(a, b):
     """The vCPU's share of wall time on a CPU and waiting for one."""
     if not a or not b or b[0] <= a[0]:
@@ -119,6 +131,8 @@ def main():
     ap.add_argument("--migrate-granularity", type=int, default=4096, help="the real migration's --granularity")
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--run-flag", action="append", default=[], help="extra flag for `tsubame run` (repeatable)")
+    ap.add_argument("--pin-vcpu", action="store_true",
+                    help="run the vCPU alone on CPU 0 and everything else (tracer, migration, destination) on CPU 1")
     ap.add_argument("--out", default=None)
     ap.add_argument("--report-only", action="store_true", help="re-print the report of an earlier --out")
     args = ap.parse_args()
@@ -137,10 +151,14 @@ def main():
         run_cmd += ["--workload-arg", kv]
     run_cmd += args.run_flag
     procs = []
+    if args.pin_vcpu:
+        os.sched_setaffinity(0, {1})  # inherited by every process started below
     try:
         vm = subprocess.Popen(run_cmd)
         procs.append(vm)
         wait_socket(src_sock, vm, "tsubame run")
+        if args.pin_vcpu:
+            pin_vcpu(vm.pid, 0)
         sampler = OpsSampler(src_sock, vm.pid)
         time.sleep(args.warmup)
         t0 = time.monotonic()
@@ -183,7 +201,7 @@ def main():
                 p.kill()
             p.wait()
     doc = {"commands": [run_cmd, trace_cmd, sim_cmd, plan_cmd, mig_cmd], "native_ops": native,
-           "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples,
+           "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples, "pinned_vcpu": args.pin_vcpu,
            "vcpu": {"before": shares(s0, s1), "tracing": shares(s1, s2), "migrating": shares(s3, s4)},
            "real": json.load(open(real_json)),
            "simulate": json.load(open(sim_json)), "plan": json.load(open(plan_json)),
@@ -216,6 +234,8 @@ def report(out, doc):
     real_time = real["total_time_ms"] / 1e3
     real_bytes = real["bytes_on_wire"]
     print("commands:\n" + "".join("  " + " ".join(c) + "\n" for c in doc["commands"]))
+    if doc.get("pinned_vcpu"):
+        print("(--pin-vcpu: the vCPU alone on CPU 0, every other thread and process on CPU 1)\n")
     print(f"guest ops/s: before {native or 0:,.0f}, while traced {tracing or 0:,.0f}, "
           f"while migrating {migrating or 0:,.0f}")
     for phase, v in (doc.get("vcpu") or {}).items():
