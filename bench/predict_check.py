@@ -129,6 +129,9 @@ def main():
     ap.add_argument("--granularity", type=int, default=128)
     ap.add_argument("--method", default="page", help="simulate's --method (page, all, ...)")
     ap.add_argument("--migrate-granularity", type=int, default=4096, help="the real migration's --granularity")
+    ap.add_argument("--max-iterations", type=int, default=30,
+                    help="give up after this many iterations, in the replay and the real migration alike "
+                         "(default: the engine's, %(default)s)")
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--run-flag", action="append", default=[], help="extra flag for `tsubame run` (repeatable)")
     ap.add_argument("--pin-vcpu", action="store_true",
@@ -174,7 +177,7 @@ def main():
         s2 = vcpu_schedstat(vm.pid)
         sim_json = os.path.join(out, "simulate.json")
         sim_cmd = [TSUBAME, "simulate", "--trace", trace_file, "--bandwidth", args.bandwidth,
-                   "--method", args.method, "--json", sim_json]
+                   "--method", args.method, "--max-iterations", str(args.max_iterations), "--json", sim_json]
         sim_text = subprocess.run(sim_cmd, check=True, capture_output=True, text=True).stdout
         plan_json = os.path.join(out, "plan.json")
         plan_cmd = [TSUBAME, "plan", "--trace", trace_file, "--bandwidths", args.bandwidth, "--json", plan_json]
@@ -186,6 +189,7 @@ def main():
         real_json = os.path.join(out, "migrate.json")
         mig_cmd = [TSUBAME, "migrate", "--control", src_sock, "--to", "unix:" + dst_addr,
                    "--max-bandwidth", args.bandwidth, "--granularity", str(args.migrate_granularity),
+                   "--max-iterations", str(args.max_iterations),
                    "--json", real_json]
         t2 = time.monotonic()
         s3 = vcpu_schedstat(vm.pid)
