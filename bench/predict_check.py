@@ -155,6 +155,8 @@ def main():
     run_cmd += args.run_flag
     procs = []
     if args.pin_vcpu:
+        if not {0, 1} <= os.sched_getaffinity(0):
+            sys.exit("--pin-vcpu needs CPUs 0 and 1")
         os.sched_setaffinity(0, {1})  # inherited by every process started below
     try:
         vm = subprocess.Popen(run_cmd)
@@ -205,7 +207,8 @@ def main():
                 p.kill()
             p.wait()
     doc = {"commands": [run_cmd, trace_cmd, sim_cmd, plan_cmd, mig_cmd], "native_ops": native,
-           "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples, "pinned_vcpu": args.pin_vcpu,
+           "tracing_ops": tracing, "migrating_ops": migrating, "migrating_samples": migrating_samples,
+           "pinned_vcpu": args.pin_vcpu,
            "vcpu": {"before": shares(s0, s1), "tracing": shares(s1, s2), "migrating": shares(s3, s4)},
            "real": json.load(open(real_json)),
            "simulate": json.load(open(sim_json)), "plan": json.load(open(plan_json)),
