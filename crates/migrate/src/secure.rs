@@ -345,21 +345,10 @@ mod tests {
         let data: Vec<u8> = (0..600_000u32).map(|i| i as u8).collect();
         Sealer::new(&c.send).write_all(&mut wire, &data).unwrap();
         assert!(!wire.windows(64).any(|w| w == &data[1000..1064]), "plaintext visible on the wire");
-        let mut out = Vec::new();
-        let mut opener = Opener::new(&s.receive);
-        let mut r = &wire[..];
-        let mut buf = [0u8; 7000];
-        loop {
-            let n = opener.read(&mut r, &mut buf).unwrap();
-            if n == 0 {
-                break;
-            }
-            out.extend_from_slice(&buf[..n]);
-        }
-        assert_eq!(out, data);
+        assert_eq!(Opener::new(&s.receive).read_to_end(&mut &wire[..]).unwrap(), data);
         // One flipped bit: the record does not open.
         wire[100] ^= 1;
-        assert!(Opener::new(&s.receive).read(&mut &wire[..], &mut buf).is_err());
+        assert!(Opener::new(&s.receive).read_to_end(&mut &wire[..]).is_err());
     }
 
     #[test]

@@ -295,6 +295,20 @@ impl Opener {
         Ok(n)
     }
 
+    /// Everything up to the end of the stream (tests).
+    #[cfg(test)]
+    pub(crate) fn read_to_end(&mut self, r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 7000];
+        loop {
+            let n = self.read(r, &mut buf)?;
+            if n == 0 {
+                return Ok(out);
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+    }
+
     /// Makes `need` unopened bytes available, reading ahead as much as
     /// the connection has (one system call for many records, not two for
     /// each); false when the connection ended cleanly before any.
@@ -436,15 +450,7 @@ mod tests {
     const TLS: RecordFormat = RecordFormat::Tls13 { iv: [7; 12] };
 
     fn read_all(opener: &mut Opener, mut wire: &[u8]) -> std::io::Result<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut buf = [0u8; 7000];
-        loop {
-            let n = opener.read(&mut wire, &mut buf)?;
-            if n == 0 {
-                return Ok(out);
-            }
-            out.extend_from_slice(&buf[..n]);
-        }
+        opener.read_to_end(&mut wire)
     }
 
     fn data() -> Vec<u8> {
@@ -501,17 +507,8 @@ mod tests {
             Sealer::with_format(&KEY, format, 0).write_all(&mut wire, &data).unwrap();
             let records = data.len().div_ceil(TLS_MAX_PLAINTEXT);
             for step in [1, 7, 4096, usize::MAX] {
-                let mut opener = Opener::with_format(&KEY, format, 0);
                 let mut reader = Trickle(&wire, step, 0);
-                let mut out = Vec::new();
-                let mut buf = [0u8; 5000];
-                loop {
-                    let n = opener.read(&mut reader, &mut buf).unwrap();
-                    if n == 0 {
-                        break;
-                    }
-                    out.extend_from_slice(&buf[..n]);
-                }
+                let out = Opener::with_format(&KEY, format, 0).read_to_end(&mut reader).unwrap();
                 assert!(out == data, "{step}-byte reads");
                 if step == usize::MAX {
                     // Read ahead: a few calls for the 37 records, not two each.
