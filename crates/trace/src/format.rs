@@ -367,6 +367,11 @@ impl Trace {
         self.nonzero.iter().map(|w| w.count_ones() as u64).sum()
     }
 
+    /// Whether `page` was non-zero when recording started.
+    pub fn is_nonzero(&self, page: u64) -> bool {
+        self.nonzero[(page / 64) as usize] & (1 << (page % 64)) != 0
+    }
+
     /// Whether the trace knows the guest's progress (ops counter and its
     /// speed before recording), so replay can follow guest work rather
     /// than wall time.

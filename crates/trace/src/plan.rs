@@ -178,8 +178,8 @@ fn pages_in_written_pieces(trace: &Trace) -> (f64, f64) {
     for c in trace.intervals.iter().skip(1).flat_map(|i| &i.changes) {
         written[(c.page / 512) as usize] = true;
     }
-    let nonzero = |p: u64| trace.nonzero[(p / 64) as usize] & (1 << (p % 64)) != 0;
-    let pages: u64 = (0..trace.setup.pages()).filter(|&p| written[(p / 512) as usize] && nonzero(p)).count() as u64;
+    let pages: u64 =
+        (0..trace.setup.pages()).filter(|&p| written[(p / 512) as usize] && trace.is_nonzero(p)).count() as u64;
     (pages as f64, written.iter().filter(|&&w| w).count() as f64)
 }
 

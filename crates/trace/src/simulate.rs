@@ -329,8 +329,7 @@ fn run_guest(
                         // The whole piece reads as dirty, though unchanged.
                         let pages = trace.setup.pages();
                         for p in first..(first + HUGE).min(pages) {
-                            let zero = trace.nonzero[(p / 64) as usize] & (1 << (p % 64)) == 0;
-                            next.entry(p).or_insert(Dirty { mask: 0, xbzrle: 0, zero });
+                            next.entry(p).or_insert(Dirty { mask: 0, xbzrle: 0, zero: !trace.is_nonzero(p) });
                         }
                     }
                     next.entry(c.page).or_insert_with(Dirty::default).add(c)
@@ -355,7 +354,6 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let granularity = trace.setup.granularity;
     let clock = GuestClock::of(trace);
     let full = PAGE as f64 + RECORD_HEADER;
-    let is_nonzero = |p: u64| trace.nonzero[(p / 64) as usize] & (1 << (p % 64)) != 0;
     let mut state = ReplayState {
         cursor: Cursor::default(),
         faulted: vec![0u64; pages.div_ceil(64) as usize],
@@ -368,7 +366,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let mut bytes = 0.0;
     for p in 0..pages {
         send_at[p as usize] = bytes / options.bandwidth;
-        bytes += if is_nonzero(p) { full } else { RECORD_HEADER };
+        bytes += if trace.is_nonzero(p) { full } else { RECORD_HEADER };
     }
     let mut count = pages;
     let (converged, reason, last) = loop {
