@@ -61,7 +61,7 @@ def test_smoke_case_file():
     assert (case.workload, case.memory, case.link, case.repetitions) == ("kv", "512M", "1gbit", 1)
     assert {"qemu-default", "tsubame-default"} <= set(case.configs)
     assert case.bandwidth_bits() == 1_000_000_000
-    assert compare.guest_cmdline(case, 2599998) == "workload=kv wss=256M tsc_khz=2599998"
+    assert compare.guest_cmdline(case, 2599998) == "workload=kv wss=64M tsc_khz=2599998"
 
 
 def test_paper_case_file():
