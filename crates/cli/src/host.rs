@@ -174,7 +174,7 @@ impl Host {
             duration: Duration::from_secs_f64(number("seconds", 10.0)?),
             granularity: number("granularity", 128.0)? as u32,
             workload: self.description.clone(),
-            native_ops_per_sec: self.console.snapshot().ops_per_sec as u64,
+            baseline: Duration::from_secs_f64(number("baseline_s", 3.0)?),
         };
         if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active(_)) {
             return Err("the VM is migrating; trace it before or after".into());

@@ -32,6 +32,11 @@ pub struct TraceArgs {
     /// Sub-page size of the recorded change masks (64 to 4096).
     #[arg(long, default_value_t = 128)]
     pub granularity: u32,
+    /// How long to time the guest's undisturbed speed first, e.g. 3s: the
+    /// replay's clock rests on it, and the speed wanders from second to
+    /// second.
+    #[arg(long, default_value = "3s")]
+    pub baseline: String,
 }
 
 /// Runs `tsubame trace`.
@@ -42,16 +47,26 @@ pub fn trace(args: TraceArgs) -> anyhow::Result<()> {
     }
     tsubame_migrate::subpage::check_granularity(args.granularity)
         .map_err(|e| usage_error(format!("--granularity: {e}")))?;
+    let baseline = parse_duration(&args.baseline).map_err(|e| usage_error(format!("--baseline: {e}")))?;
+    if !(Duration::from_millis(200)..=Duration::from_secs(60)).contains(&baseline) {
+        return Err(usage_error("--baseline must be between 200ms and 60s"));
+    }
     let out = std::path::absolute(&args.out)?;
     let mut client = ControlClient::connect(&args.control)?;
-    client.set_timeout(Duration::from_secs_f64(args.seconds + 60.0))?;
-    eprintln!("tsubame: recording {} s of dirtying into {}", args.seconds, out.display());
+    client.set_timeout(Duration::from_secs_f64(args.seconds + 2.0 * baseline.as_secs_f64() + 60.0))?;
+    eprintln!(
+        "tsubame: timing the guest for {:.1} s, then recording {} s of dirtying into {}",
+        baseline.as_secs_f64(),
+        args.seconds,
+        out.display()
+    );
     let reply = client.request(&json!({
         "cmd": "trace",
         "out": out,
         "interval_ms": interval.as_secs_f64() * 1e3,
         "seconds": args.seconds,
         "granularity": args.granularity,
+        "baseline_s": baseline.as_secs_f64(),
     }))?;
     println!(
         "trace written to {}: {} intervals, {} page changes, {} pages non-zero at the start, longest tick {:.1} ms",
@@ -266,6 +281,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 interval: args.interval.clone(),
                 seconds: args.seconds,
                 granularity: 128,
+                baseline: "3s".into(),
             })
             .and_then(|_| open_trace(&path));
             let _ = std::fs::remove_file(&path);

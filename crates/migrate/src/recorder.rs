@@ -24,8 +24,9 @@ pub struct RecordOptions {
     pub granularity: u32,
     /// The guest's workload command line, for the header.
     pub workload: String,
-    /// The guest's ops per second before recording (0: unknown).
-    pub native_ops_per_sec: u64,
+    /// How long to time the guest's undisturbed speed before dirty logging
+    /// starts (zero: not at all, and the trace replays on wall time).
+    pub baseline: Duration,
 }
 
 /// Why recording failed.
@@ -55,6 +56,40 @@ pub struct RecordSummary {
     pub longest_tick_ms: f64,
 }
 
+/// The guest's ops per second over about `baseline`, timed from one step
+/// of its counter to another (it moves once per progress line, ~50 ms of
+/// guest work, so timing between steps leaves no partial step). 0 when the
+/// counter does not move. The replay's clock rests on this figure, and the
+/// guest's speed wanders ±10 % from second to second, so one second is
+/// too short a sample.
+fn undisturbed_speed(guest_ops: &dyn Fn() -> u64, baseline: Duration) -> u64 {
+    if baseline.is_zero() {
+        return 0;
+    }
+    // The first change of the counter after now, if it comes by `deadline`.
+    let next_step = |deadline: Instant| -> Option<(Instant, u64)> {
+        let before = guest_ops();
+        loop {
+            let ops = guest_ops();
+            if ops != before {
+                return Some((Instant::now(), ops));
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let Some((t0, ops0)) = next_step(Instant::now() + baseline) else {
+        return 0;
+    };
+    std::thread::sleep((t0 + baseline).saturating_duration_since(Instant::now()));
+    let Some((t1, ops1)) = next_step(t0 + baseline * 2) else {
+        return 0;
+    };
+    (ops1.saturating_sub(ops0) as f64 / t1.duration_since(t0).as_secs_f64()) as u64
+}
+
 /// Records `vm` into `out`. The VM keeps running throughout. `guest_ops`
 /// tells the guest's ops counter (its latest progress line), written with
 /// each interval so that replay can follow the guest's work, which dirty
@@ -76,6 +111,7 @@ pub fn record(
     let pagemap = memory::Pagemap::open().ok();
     let mut page = [0u8; PAGE_SIZE];
     let mut populated = [true; WORDS_PER_CHUNK * 64];
+    let native_ops_per_sec = undisturbed_speed(guest_ops, options.baseline);
 
     vm.set_dirty_logging(true)?;
     let result = (|| {
@@ -109,7 +145,7 @@ pub fn record(
             granularity: options.granularity,
             interval_us: options.interval.as_micros() as u32,
             workload: options.workload.clone(),
-            native_ops_per_sec: options.native_ops_per_sec,
+            native_ops_per_sec,
             huge_pages: vm.hugepages(),
         };
         let mut writer = TraceWriter::new(out, &setup, &nonzero)?;
@@ -170,4 +206,20 @@ pub fn record(
     })();
     let _ = vm.set_dirty_logging(false);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn undisturbed_speed_is_timed_between_counter_steps() {
+        // A guest doing 1M ops/s that reports every 50 ms, as progress lines do.
+        let start = Instant::now();
+        let counter = || (start.elapsed().as_millis() as u64 / 50) * 50_000;
+        let speed = undisturbed_speed(&counter, Duration::from_millis(300));
+        assert!((980_000..=1_020_000).contains(&speed), "{speed}");
+        assert_eq!(undisturbed_speed(&|| 7, Duration::from_millis(20)), 0, "a still counter is unknown speed");
+        assert_eq!(undisturbed_speed(&counter, Duration::ZERO), 0);
+    }
 }
