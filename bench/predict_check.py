@@ -262,6 +262,13 @@ def report(out, doc):
         if p["method"] == "page":
             print(f"| plan `page` | {p['iterations']} | {p['total_time_s']:.2f} | – | "
                   f"{p['iteration1_dirty_pages']:,.0f} ({p['iteration1_dirty_pages'] / max(it1, 1):.2f}×) |")
+    for r in sim:
+        sp = r.get("spread")
+        if sp:
+            lo, hi = sp["iterations"]
+            inside = "inside" if lo <= len(its) <= hi else "OUTSIDE"
+            print(f"\nsimulate `{r['method']}` with the guest ±{sp['by'] * 100:.0f} %: {lo}–{hi} iterations, "
+                  f"{sp['total_time_s'][0]:.2f}–{sp['total_time_s'][1]:.2f} s; the real {len(its)} is {inside} the range")
     m = plan["model"]
     print(f"\nD(t) fit: M = {m['m']:,.0f} pages, tau = {m['tau']:.3f} s, R² = {m['r_squared']:.4f}")
     print("\nreal iterations (pages sent, ms):", [(i["pages_sent"], round(i["duration_ms"])) for i in its])

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::json;
 use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
-use tsubame_trace::simulate::{simulate, GuestClock, Method, SimOptions};
+use tsubame_trace::simulate::{simulate_with_spread, GuestClock, Method, SimOptions, Spread};
 use tsubame_trace::Trace;
 
 use crate::control::ControlClient;
@@ -136,6 +136,12 @@ pub struct SimulateArgs {
     /// RDMA paper's model): 0.5 replays the trace at half speed.
     #[arg(long, default_value_t = 1.0)]
     pub guest_speed: f64,
+    /// Also replay with the guest this much slower and faster (0.1: ±10 %,
+    /// about how much a guest's speed wanders) and print the range; a
+    /// migration whose outcome moves within it is on the convergence
+    /// edge. 0 turns this off.
+    #[arg(long, default_value_t = 0.1)]
+    pub speed_spread: f64,
     /// Whether the migrating VM's memory is backed by 2 MiB pages: auto
     /// (as when traced), yes or no. Under KVM the first write after
     /// write-protection dirties a whole 2 MiB piece once.
@@ -178,6 +184,9 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
     let options =
         sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed, &args.huge_pages)?;
     let methods = methods(&args.method)?;
+    if !(0.0..0.9).contains(&args.speed_spread) {
+        return Err(usage_error("--speed-spread must be in [0, 0.9)"));
+    }
     let trace = open_trace(&args.trace)?;
     println!(
         "trace: {} ({} of memory, {:.1} s, {} intervals, {} B sub-pages); link {}/s",
@@ -189,7 +198,8 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
         format_bytes(options.bandwidth as u64)
     );
     print_clock(&trace);
-    let results: Vec<_> = methods.iter().map(|&m| simulate(&trace, m, &options)).collect();
+    let results: Vec<_> =
+        methods.iter().map(|&m| simulate_with_spread(&trace, m, &options, args.speed_spread)).collect();
     let rows = results.iter().map(|r| r.iterations.len()).max().unwrap_or(0);
     print!("{:>9}", "iteration");
     for r in &results {
@@ -216,6 +226,9 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
             if r.converged { "converged".to_string() } else { format!("not converged ({})", r.stop_reason) },
             format_bytes(r.bytes_total as u64),
         );
+        if let Some(spread) = &r.spread {
+            println!("{:<12} {}", "", spread_line(spread));
+        }
     }
     if let Some(path) = &args.plot {
         let title = format!(
@@ -231,6 +244,26 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
     }
     Ok(())
+}
+
+/// The range of a replay with the guest slower and faster, in words.
+fn spread_line(spread: &Spread) -> String {
+    let verdict = match (spread.converged_if_slower, spread.converged_if_faster) {
+        (true, true) => "converges either way",
+        (false, false) => "converges neither way",
+        (true, false) => "converges only if the guest is not faster",
+        (false, true) => "converges only if the guest is faster",
+    };
+    format!(
+        "guest ±{:.0} %: {}–{} iterations, {:.2}–{:.2} s, {}{}",
+        spread.by * 100.0,
+        spread.iterations.0,
+        spread.iterations.1,
+        spread.total_time_s.0,
+        spread.total_time_s.1,
+        verdict,
+        if spread.on_edge() { " — on the convergence edge: expect any count in this range" } else { "" }
+    )
 }
 
 /// Options of `tsubame plan`.

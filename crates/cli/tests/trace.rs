@@ -64,6 +64,8 @@ fn trace_simulate_plan() {
     }
     // Traces carry the guest's ops: replay follows its work.
     assert!(text.contains("replayed by guest work"), "{text}");
+    // Each method also gives its range with the guest ±10 % (the default).
+    assert_eq!(text.matches("guest ±10 %: ").count(), 3, "{text}");
     let image = std::fs::read(&png).unwrap();
     assert!(image.starts_with(b"\x89PNG") && image.len() > 10_000, "{} bytes", image.len());
 

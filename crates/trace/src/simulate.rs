@@ -50,7 +50,7 @@ impl std::str::FromStr for Method {
 }
 
 /// The link and the stop rules.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct SimOptions {
     /// Link bandwidth in bytes per second.
     pub bandwidth: f64,
@@ -103,6 +103,66 @@ pub struct SimResult {
     pub stop_reason: String,
     /// All bytes sent.
     pub bytes_total: f64,
+    /// The same replay with the guest a little slower and faster, when
+    /// asked for (`simulate_with_spread`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spread: Option<Spread>,
+}
+
+/// How a replay's outcome moves when the guest runs `1 ± by` times as
+/// fast. The guest's speed wanders ±10 % from second to second and run to
+/// run on one host, and near the convergence edge a few percent of speed
+/// decide between converging and not, or move the iteration count by
+/// several: a prediction there is a range, and saying so is the honest
+/// answer to "will it migrate?".
+#[derive(Debug, Clone, Serialize)]
+pub struct Spread {
+    /// The relative change of guest speed tried (0.1: ±10 %).
+    pub by: f64,
+    /// Fewest and most iterations (stop-and-copy included).
+    pub iterations: (usize, usize),
+    /// Shortest and longest total time, seconds.
+    pub total_time_s: (f64, f64),
+    /// Fewest and most bytes.
+    pub bytes_total: (f64, f64),
+    /// Whether the replay with the faster guest converged.
+    pub converged_if_faster: bool,
+    /// Whether the replay with the slower guest converged.
+    pub converged_if_slower: bool,
+}
+
+impl Spread {
+    /// Whether the verdict or the iteration count hang on the guest's
+    /// speed: it converges one way and not the other, or the iteration
+    /// count moves by more than 2.
+    pub fn on_edge(&self) -> bool {
+        self.converged_if_faster != self.converged_if_slower || self.iterations.1 - self.iterations.0 > 2
+    }
+}
+
+/// `simulate`, plus the replays with the guest `1 ± by` times as fast.
+pub fn simulate_with_spread(trace: &Trace, method: Method, options: &SimOptions, by: f64) -> SimResult {
+    let mut result = simulate(trace, method, options);
+    if by <= 0.0 {
+        return result;
+    }
+    let at =
+        |factor: f64| simulate(trace, method, &SimOptions { guest_speed: options.guest_speed * factor, ..*options });
+    let (slower, faster) = (at(1.0 - by), at(1.0 + by));
+    let all = [&result, &slower, &faster];
+    let range = |f: &dyn Fn(&SimResult) -> f64| {
+        all.iter().map(|r| f(r)).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(x), hi.max(x)))
+    };
+    let iterations = range(&|r| r.iterations.len() as f64);
+    result.spread = Some(Spread {
+        by,
+        iterations: (iterations.0 as usize, iterations.1 as usize),
+        total_time_s: range(&|r| r.total_time_s),
+        bytes_total: range(&|r| r.bytes_total),
+        converged_if_faster: faster.converged,
+        converged_if_slower: slower.converged,
+    });
+    result
 }
 
 /// What one page costs to send once it is dirty.
@@ -420,6 +480,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         converged,
         stop_reason: reason.into(),
         iterations,
+        spread: None,
     }
 }
 
@@ -454,6 +515,28 @@ mod tests {
             })
             .collect::<Vec<_>>();
         Trace { setup, nonzero: vec![u64::MAX; (pages / 64) as usize], intervals }
+    }
+
+    #[test]
+    fn a_spread_is_the_replays_with_the_guest_slower_and_faster() {
+        let trace = sparse_trace();
+        let options =
+            SimOptions { bandwidth: 10e6, downtime_limit: 0.3, max_iterations: 20, guest_speed: 1.0, huge_pages: None };
+        for method in Method::ALL {
+            let result = simulate_with_spread(&trace, method, &options, 0.2);
+            let spread = result.spread.as_ref().unwrap();
+            let slower = simulate(&trace, method, &SimOptions { guest_speed: 0.8, ..options });
+            let faster = simulate(&trace, method, &SimOptions { guest_speed: 1.2, ..options });
+            assert_eq!((spread.converged_if_slower, spread.converged_if_faster), (slower.converged, faster.converged));
+            for r in [&result, &slower, &faster] {
+                assert!((spread.iterations.0..=spread.iterations.1).contains(&r.iterations.len()), "{method:?}");
+                assert!(spread.total_time_s.0 <= r.total_time_s && r.total_time_s <= spread.total_time_s.1);
+            }
+        }
+        // Sub-pages converge here whatever the guest's speed: not on the edge.
+        let sub = simulate_with_spread(&trace, Method::Subpage, &options, 0.2);
+        assert!(!sub.spread.unwrap().on_edge());
+        assert!(simulate_with_spread(&trace, Method::Page, &options, 0.0).spread.is_none());
     }
 
     #[test]
