@@ -262,7 +262,7 @@ fn spread_line(spread: &Spread) -> String {
         spread.total_time_s.0,
         spread.total_time_s.1,
         verdict,
-        if spread.on_edge() { " — on the convergence edge: expect any count in this range" } else { "" }
+        if spread.on_edge() { " — on the convergence edge: the count hangs on the guest's speed" } else { "" }
     )
 }
 

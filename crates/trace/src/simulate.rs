@@ -113,8 +113,10 @@ pub struct SimResult {
 /// fast. The guest's speed wanders ±10 % from second to second and run to
 /// run on one host, and near the convergence edge a few percent of speed
 /// decide between converging and not, or move the iteration count by
-/// several: a prediction there is a range, and saying so is the honest
-/// answer to "will it migrate?".
+/// several: there a single count promises more than anyone can know, and
+/// saying so is the honest answer to "will it migrate, and how?". (The
+/// range is not a bound: a real migration varies beyond ±10 % of guest
+/// speed too; docs/results.md.)
 #[derive(Debug, Clone, Serialize)]
 pub struct Spread {
     /// The relative change of guest speed tried (0.1: ±10 %).
