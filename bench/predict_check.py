@@ -262,9 +262,12 @@ def report(out, doc):
         if p["method"] == "page":
             print(f"| plan `page` | {p['iterations']} | {p['total_time_s']:.2f} | – | "
                   f"{p['iteration1_dirty_pages']:,.0f} ({p['iteration1_dirty_pages'] / max(it1, 1):.2f}×) |")
+    granularity = next((int(c[i + 1]) for c in doc["commands"] for i, a in enumerate(c) if a == "--granularity"
+                        and "migrate" in c), 4096)
+    same = "page" if granularity == 4096 else "subpage"
     for r in sim:
         sp = r.get("spread")
-        if sp:
+        if sp and r["method"] == same:
             lo, hi = sp["iterations"]
             inside = "inside" if lo <= len(its) <= hi else "OUTSIDE"
             print(f"\nsimulate `{r['method']}` with the guest ±{sp['by'] * 100:.0f} %: {lo}–{hi} iterations, "

@@ -348,7 +348,11 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 "{:<12} {:>10} {:>10} {:>12} {:>11.2} {:>12.0}",
                 method.name(),
                 text,
-                if p.converged { "yes" } else { "no" },
+                match (p.converged, p.converged_if_faster) {
+                    (true, true) => "yes",
+                    (true, false) => "edge",
+                    (false, _) => "no",
+                },
                 p.iterations,
                 p.total_time_s,
                 p.downtime_s * 1e3
@@ -356,20 +360,28 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
             predictions.push(p);
         }
     }
+    // Recommend only what converges with the guest 10 % faster too.
     match predictions
         .iter()
-        .filter(|p| p.converged)
+        .filter(|p| p.converged && p.converged_if_faster)
         .min_by(|a, b| a.bandwidth.total_cmp(&b.bandwidth).then(a.total_time_s.total_cmp(&b.total_time_s)))
     {
         Some(p) => println!(
-            "needs at least {}/s with {} to stop within {} (predicted {:.2} s total, {:.0} ms downtime)",
+            "needs at least {}/s with {} to stop within {}, with the guest 10 % faster too \
+             (predicted {:.2} s total, {:.0} ms downtime)",
             format_bytes(p.bandwidth as u64),
             p.method.name(),
             args.downtime_limit,
             p.total_time_s,
             p.downtime_s * 1e3
         ),
-        None => println!("no method converges within {} at these bandwidths", args.downtime_limit),
+        None => println!(
+            "no method converges within {} at these bandwidths with a 10 % margin on the guest's speed",
+            args.downtime_limit
+        ),
+    }
+    if predictions.iter().any(|p| p.converged && !p.converged_if_faster) {
+        println!("edge: converges at the traced speed but not with the guest 10 % faster");
     }
     if let Some(first) = predictions.first() {
         println!(

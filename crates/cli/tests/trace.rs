@@ -73,6 +73,8 @@ fn trace_simulate_plan() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("R^2 = "), "{text}");
+    // A recommendation keeps a 10 % margin on the guest's speed.
+    assert!(text.contains("with the guest 10 % faster too") || text.contains("with a 10 % margin"), "{text}");
 
     // A damaged trace is one clear line and exit 2.
     let mut bytes = std::fs::read(&trace).unwrap();

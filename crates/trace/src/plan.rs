@@ -168,6 +168,10 @@ pub struct Prediction {
     pub converged: bool,
     /// Pages dirty after iteration 0 (what iteration 1 sends).
     pub iteration1_dirty_pages: f64,
+    /// Whether it still converges with the guest 10 % faster (the guest's
+    /// speed wanders about that much; see `simulate::Spread`). A method
+    /// that converges only at the traced speed is on the edge.
+    pub converged_if_faster: bool,
 }
 
 /// Nonzero pages in the 2 MiB pieces the trace writes to: what the first
@@ -209,8 +213,16 @@ fn dirty_after(model: &DirtyModel, sending: f64, work: f64) -> f64 {
 }
 
 /// Predicts a pre-copy migration from the model, with tsubame's stop rules.
-/// The guest's speed is `options.guest_speed` (1 − β).
+/// The guest's speed is `options.guest_speed` (1 − β); the prediction also
+/// says whether it would converge with the guest 10 % faster.
 pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOptions) -> Prediction {
+    let mut prediction = predict_at(trace, model, method, options);
+    let faster = SimOptions { guest_speed: options.guest_speed * 1.1, ..*options };
+    prediction.converged_if_faster = predict_at(trace, model, method, &faster).converged;
+    prediction
+}
+
+fn predict_at(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOptions) -> Prediction {
     let pages = trace.setup.pages() as f64;
     let nonzero = trace.nonzero_pages() as f64;
     let clock = GuestClock::of(trace);
@@ -250,6 +262,7 @@ pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimO
                 downtime_s: duration,
                 converged,
                 iteration1_dirty_pages: first_dirty,
+                converged_if_faster: converged,
             };
         }
         total += duration;
