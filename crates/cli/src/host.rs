@@ -287,6 +287,9 @@ pub fn migrate_request(request: &Value) -> Result<(Address, MigrateOptions), Str
     if let Some(n) = number("buffers")? {
         options.buffers = usize::try_from(n).map_err(|_| "\"buffers\" is too large".to_string())?;
     }
+    if let Some(v) = request.get("auto_converge") {
+        options.auto_converge = v.as_bool().ok_or("\"auto_converge\" must be true or false")?;
+    }
     if let Some(v) = request.get("pipeline") {
         options.pipeline = v.as_bool().ok_or("\"pipeline\" must be true or false")?;
     }
@@ -359,6 +362,7 @@ pub fn migrate_request_fields(to: &Address, options: &MigrateOptions, files: &Se
         "downtime_limit_ms": options.downtime_limit.as_millis() as u64,
         "max_iterations": options.max_iterations,
         "abort_if_not_converged": options.abort_if_not_converged,
+        "auto_converge": options.auto_converge,
         "granularity": options.granularity,
         "codec": options.codecs.to_string(),
         "channels": options.channels,

@@ -34,6 +34,13 @@ pub struct MigrateFlags {
     /// would exceed the downtime limit.
     #[arg(long)]
     pub abort_if_not_converged: bool,
+    /// Slow the guest while it dirties memory faster than the migration
+    /// sends it, as QEMU's auto-converge: once the pages dirtied during an
+    /// iteration outweigh half of what it sent (twice), the vCPU sleeps
+    /// 20 % of the time, 10 % more at each further time, at most 99 %.
+    /// The guest runs at full speed again as soon as the migration ends.
+    #[arg(long)]
+    pub auto_converge: bool,
     /// Page codecs, comma-separated: zero, rle, xbzrle[=CACHE], dedup[=CACHE],
     /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
     /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
@@ -140,6 +147,7 @@ impl MigrateFlags {
             downtime_limit: Duration::from_millis(self.downtime_limit),
             max_iterations: self.max_iterations,
             abort_if_not_converged: self.abort_if_not_converged,
+            auto_converge: self.auto_converge,
             granularity: self.granularity,
             subpage_detector,
             channels: self.channels,
@@ -270,6 +278,18 @@ pub fn print_summary(stats: &Value) {
         f("pages_zero"),
         f("pages_total"),
     );
+    let throttles: Vec<f64> = stats
+        .get("per_iteration")
+        .and_then(Value::as_array)
+        .map(|its| its.iter().filter_map(|i| i.get("throttle").and_then(Value::as_f64)).collect())
+        .unwrap_or_default();
+    if let Some(first) = throttles.iter().position(|&t| t > 0.0) {
+        let most = throttles.iter().cloned().fold(0.0, f64::max);
+        println!(
+            "  throttled:   from iteration {first}, up to {:.0} % of the guest's time (auto-converge)",
+            most * 100.0
+        );
+    }
     let cpu = stats.get("cpu_seconds");
     let c = |k: &str| cpu.and_then(|c| c.get(k)).and_then(Value::as_f64).unwrap_or(0.0);
     println!(

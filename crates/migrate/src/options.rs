@@ -21,6 +21,9 @@ pub struct MigrateOptions {
     pub max_iterations: u32,
     /// Fail instead of a long stop-and-copy when not converged.
     pub abort_if_not_converged: bool,
+    /// Slow the guest (sleep its vCPU a growing share of the time) while
+    /// it dirties memory faster than the migration sends it.
+    pub auto_converge: bool,
     /// Digest region size in bytes.
     pub digest_region: u32,
     /// How long to wait for the destination to answer.
@@ -123,6 +126,7 @@ impl Default for MigrateOptions {
             downtime_limit: Duration::from_millis(300),
             max_iterations: 30,
             abort_if_not_converged: false,
+            auto_converge: false,
             digest_region: digest::DEFAULT_REGION,
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),

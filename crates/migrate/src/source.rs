@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tsubame_vmm::{memory, PAGE_SIZE};
 
+use crate::auto_converge::AutoConverge;
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
 use crate::pipeline::{Batch, EncoderSetup, Engine, EngineSetup, PipelineError, ShardLayout, Writer};
@@ -88,12 +89,18 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         engine: None,
         bandwidth: Arc::new(AtomicU64::new(0)),
         digest: None,
+        auto_converge: AutoConverge::default(),
     };
     progress.update(|p| {
         p.phase = "setup".into();
         p.memory_bytes = vm.memory_bytes();
     });
     let result = run.run(to);
+    // Whatever happened, the guest runs at full speed from here (on
+    // failure it goes on here; after commit this copy is done with).
+    if run.auto_converge.fraction > 0.0 {
+        vm.set_throttle(0.0);
+    }
     let committed = run.committed;
     run.finish_engine();
     let mut stats = std::mem::take(&mut run.stats);
@@ -171,6 +178,8 @@ struct SourceRun<'a> {
     bandwidth: Arc<AtomicU64>,
     /// The memory digest, hashed as pages go rather than during downtime.
     digest: Option<digest::BackgroundDigest>,
+    /// The guest's throttle, when `auto_converge` is on.
+    auto_converge: AutoConverge,
 }
 
 impl SourceRun<'_> {
@@ -355,6 +364,7 @@ impl SourceRun<'_> {
                 p.pipeline = summary;
             });
             self.bandwidth.store(bw.to_bits(), Ordering::Relaxed);
+            let (index, sent) = (it.index, it.bytes_on_wire as f64);
             self.stats.per_iteration.push(it);
             iteration += 1;
 
@@ -373,6 +383,12 @@ impl SourceRun<'_> {
             } else {
                 None
             };
+            if stop.is_none() && self.options.auto_converge && index > 0 {
+                let dirtied = remaining as f64 * bytes_per_page;
+                if let Some(fraction) = self.auto_converge.after_iteration(dirtied, sent) {
+                    vm.set_throttle(fraction);
+                }
+            }
             if let Some((reason, converged)) = stop {
                 self.stats.stop_reason = reason.into();
                 self.stats.converged = converged;
@@ -409,7 +425,8 @@ impl SourceRun<'_> {
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
         let dirty_pages = count(bitmap);
-        let mut it = IterationStats { index: iteration, dirty_pages, ..Default::default() };
+        let throttle = self.auto_converge.fraction;
+        let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
         let words_per_batch = (layout.batch_pages / 64) as usize;
         let mut populated = vec![true; layout.batch_pages as usize];

@@ -33,6 +33,9 @@ pub trait SourceVm: Sync {
     fn resume(&self) -> Result<(), VmError>;
     /// The vCPU and device state as sent in the STATE frame.
     fn state_blob(&self) -> Result<Vec<u8>, VmError>;
+    /// Makes the guest sleep this share of its time (auto-converge; 0:
+    /// run freely). A source whose guest cannot be slowed ignores it.
+    fn set_throttle(&self, _fraction: f64) {}
 }
 
 impl SourceVm for Vm {
@@ -68,5 +71,8 @@ impl SourceVm for Vm {
     }
     fn state_blob(&self) -> Result<Vec<u8>, VmError> {
         Ok(postcard::to_stdvec(&self.save_state()?).expect("VM state serializes"))
+    }
+    fn set_throttle(&self, fraction: f64) {
+        Vm::set_throttle(self, fraction)
     }
 }

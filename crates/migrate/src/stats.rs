@@ -17,6 +17,8 @@ pub struct IterationStats {
     pub bytes_on_wire: u64,
     /// Wall time of the iteration.
     pub duration_ms: f64,
+    /// Share of the time the guest was made to sleep (auto-converge).
+    pub throttle: f64,
 }
 
 /// CPU-seconds (user + system) of each side's process during migration.

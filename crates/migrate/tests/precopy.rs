@@ -160,6 +160,43 @@ fn capped_bandwidth_bwmem_does_not_converge() {
 }
 
 #[test]
+fn auto_converge_throttles_and_a_failed_migration_lets_the_guest_run_freely() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // 16 MB/s: 300 ms carries 4.8 MB, and bwmem rewrites its 8 MiB even at
+    // 99 % throttle, so this never converges; it aborts after 6 iterations.
+    let options = MigrateOptions {
+        max_bandwidth: Some(16_000_000),
+        max_iterations: 6,
+        auto_converge: true,
+        abort_if_not_converged: true,
+        ..Default::default()
+    };
+    let mut vm = Vm::create(&VmConfig { memory_bytes: 64 << 20, hugepages: true }).unwrap();
+    let cmdline = format!("workload=bwmem wss=8M tsc_khz={}", vm.tsc_khz());
+    vm.load_guest(guest_elf::GUEST_ELF, &cmdline).unwrap();
+    let console = vm.take_console().unwrap();
+    vm.start(false).unwrap();
+    ops_until(&console, Duration::from_millis(300));
+    let addr = Address::Unix(std::env::temp_dir().join(format!("tsubame-precopy-ac-{}", std::process::id())));
+    let listener = Listener::bind(&addr).unwrap();
+    let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}));
+    let stats = source::migrate(&vm, &addr, &options, &ProgressCell::default());
+    let _ = dest.join().unwrap();
+    assert_eq!(stats.status, "failed");
+    assert!(stats.error.as_deref().unwrap_or("").contains("keeps running here"), "{:?}", stats.error);
+    let throttles: Vec<f64> = stats.per_iteration.iter().map(|i| i.throttle).collect();
+    assert_eq!(throttles[..2], [0.0, 0.0], "never before two iterations that dirtied too much: {throttles:?}");
+    assert!(throttles.windows(2).all(|w| w[0] <= w[1]) && throttles[5] >= 0.2, "{throttles:?}");
+    // The guest runs here again, unthrottled.
+    assert_eq!(vm.throttle(), 0.0);
+    assert!(!vm.status().is_stopped());
+    let ops = ops_until(&console, Duration::from_millis(500));
+    assert!(ops.len() >= 2 && ops.last() > ops.first(), "{ops:?}");
+}
+
+#[test]
 fn every_codec_list_migrates_and_verifies() {
     if !kvm_or_skip() {
         return;

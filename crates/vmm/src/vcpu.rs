@@ -3,9 +3,10 @@
 //! state for save/restore.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvm_bindings::{
@@ -156,6 +157,8 @@ pub(crate) struct VcpuShared {
     pub status: Mutex<VcpuStatus>,
     pub changed: Condvar,
     pub wants_pause: AtomicBool,
+    /// Share of time the vCPU sleeps, in thousandths (auto-converge).
+    pub throttle_per_mille: AtomicU32,
 }
 
 impl VcpuShared {
@@ -164,6 +167,7 @@ impl VcpuShared {
             status: Mutex::new(VcpuStatus::Created),
             changed: Condvar::new(),
             wants_pause: AtomicBool::new(true),
+            throttle_per_mille: AtomicU32::new(0),
         }
     }
 
@@ -250,14 +254,54 @@ enum Flow {
     Stop(VcpuStatus),
 }
 
+/// The most a vCPU is throttled: 99 %, as QEMU's cpu-throttle-max.
+pub const MAX_THROTTLE_PER_MILLE: u32 = 990;
+
+/// A throttled vCPU runs this long between sleeps (QEMU's CPU throttle
+/// uses the same 10 ms slice).
+const THROTTLE_SLICE: Duration = Duration::from_millis(10);
+
+/// The vCPU thread's own pthread handle, for its throttle kicker.
+struct OwnThread(libc::pthread_t);
+
+// SAFETY: the handle is the vCPU thread's own (`pthread_self`), and the
+// kicker holding it is joined by that thread before it returns, so the
+// handle names a live thread whenever a signal is sent through it.
+unsafe impl Killable for OwnThread {
+    fn pthread_handle(&self) -> libc::pthread_t {
+        self.0
+    }
+}
+
+/// While the vCPU is throttled, kicks it out of KVM_RUN every slice, so
+/// that it can sleep even when the guest makes no exits of its own.
+fn throttle_kicker(shared: Arc<VcpuShared>, vcpu: OwnThread, done: Arc<AtomicBool>) {
+    while !done.load(Ordering::Acquire) {
+        if shared.throttle_per_mille.load(Ordering::Relaxed) == 0 {
+            std::thread::park_timeout(Duration::from_millis(50));
+            continue;
+        }
+        std::thread::sleep(THROTTLE_SLICE);
+        let _ = vcpu.kill(kick_signal());
+    }
+}
+
 impl VcpuRunner {
     /// The thread body: wait for the first resume, then run until stopped.
     pub fn run(mut self) {
         let exit_flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(exit_flag));
+        // SAFETY: pthread_self has no preconditions.
+        let own = OwnThread(unsafe { libc::pthread_self() });
+        let kicker_done = Arc::new(AtomicBool::new(false));
+        let kicker = {
+            let (shared, done) = (self.shared.clone(), kicker_done.clone());
+            std::thread::Builder::new().name("vcpu0-throttle".into()).spawn(move || throttle_kicker(shared, own, done))
+        };
         let mut console = DebugConsole::default();
         let mut unknown = UnknownPorts::default();
         let mut stop_status = Some(VcpuStatus::Paused);
+        let mut slice_start = Instant::now();
         loop {
             if self.shared.wants_pause.load(Ordering::Acquire) && stop_status.is_none() {
                 stop_status = Some(VcpuStatus::Paused);
@@ -266,14 +310,39 @@ impl VcpuRunner {
                 if !self.serve_stopped(status) {
                     break;
                 }
+                slice_start = Instant::now();
                 continue;
             }
             if let Flow::Stop(status) = self.run_once(&mut console, &mut unknown) {
                 stop_status = Some(status);
             }
+            self.throttle(&mut slice_start);
+        }
+        kicker_done.store(true, Ordering::Release);
+        if let Ok(kicker) = kicker {
+            kicker.thread().unpark();
+            let _ = kicker.join();
         }
         IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
         self.shared.set(VcpuStatus::Stopped);
+    }
+
+    /// When throttled to a share p, sleeps p/(1−p) of a slice after each
+    /// slice of running; a pause request cuts the sleep short.
+    fn throttle(&self, slice_start: &mut Instant) {
+        let per_mille = self.shared.throttle_per_mille.load(Ordering::Relaxed).min(MAX_THROTTLE_PER_MILLE);
+        if per_mille == 0 {
+            *slice_start = Instant::now();
+            return;
+        }
+        if slice_start.elapsed() < THROTTLE_SLICE {
+            return;
+        }
+        let until = Instant::now() + THROTTLE_SLICE * per_mille / (1000 - per_mille);
+        while Instant::now() < until && !self.shared.wants_pause.load(Ordering::Acquire) {
+            std::thread::sleep((until - Instant::now()).min(Duration::from_millis(1)));
+        }
+        *slice_start = Instant::now();
     }
 
     /// Serves requests while not running. Returns false when told to stop.

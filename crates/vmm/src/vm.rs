@@ -20,7 +20,7 @@ use crate::kvm::{self, KvmError};
 use crate::memory::{self, GuestMemory, MemoryError};
 use crate::vcpu::{
     install_kick_handler, restore_state, save_state, VcpuError, VcpuRequest, VcpuRunner, VcpuShared, VcpuState,
-    VcpuStatus, VcpuThread,
+    VcpuStatus, VcpuThread, MAX_THROTTLE_PER_MILLE,
 };
 
 /// How long pause waits for a vCPU before calling it stuck.
@@ -265,6 +265,21 @@ impl Vm {
         } else {
             Err(VmError::PauseTimeout)
         }
+    }
+
+    /// Makes the vCPU sleep `fraction` of its time (0 to 0.99), in 10 ms
+    /// slices: auto-converge slows a guest that dirties memory faster than
+    /// a migration can send it. 0 lets it run freely again.
+    pub fn set_throttle(&self, fraction: f64) {
+        let per_mille = (fraction.clamp(0.0, 1.0) * 1000.0).round() as u32;
+        self.shared
+            .throttle_per_mille
+            .store(per_mille.min(MAX_THROTTLE_PER_MILLE), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The share of time the vCPU is made to sleep.
+    pub fn throttle(&self) -> f64 {
+        self.shared.throttle_per_mille.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1000.0
     }
 
     /// Lets the guest run again.

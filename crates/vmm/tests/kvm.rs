@@ -100,6 +100,45 @@ fn pause_stops_progress_and_resume_restarts_it() {
     assert!(after.first() > before.last(), "{before:?} then {after:?}");
 }
 
+/// Guest ops per second over `span`, from the first progress line to the last.
+fn ops_rate(console: &Receiver<ConsoleLine>, span: Duration) -> f64 {
+    let end = Instant::now() + span;
+    let mut seen = Vec::new();
+    while let Ok(l) = console.recv_deadline(end) {
+        if let Some(ops) = ops_of(&l.text) {
+            seen.push((l.at, ops));
+        }
+    }
+    let (Some(first), Some(last)) = (seen.first(), seen.last()) else { return 0.0 };
+    (last.1 - first.1) as f64 / last.0.duration_since(first.0).as_secs_f64().max(1e-3)
+}
+
+#[test]
+fn a_throttled_vcpu_runs_slower_and_recovers() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (vm, console) = boot(64 << 20, "workload=sparse wss=16M");
+    collect(&console, Duration::from_millis(300));
+    let free = ops_rate(&console, Duration::from_millis(1500));
+    vm.set_throttle(0.8);
+    assert_eq!(vm.throttle(), 0.8);
+    collect(&console, Duration::from_millis(100));
+    let throttled = ops_rate(&console, Duration::from_millis(1500));
+    // 80 % asleep: about a fifth of the speed (generous for a shared host).
+    assert!(throttled < free * 0.5, "free {free:.0} ops/s, throttled {throttled:.0}");
+    assert!(throttled > 0.0, "a throttled guest still runs");
+    // A pause is not held up by a throttle sleep.
+    let asked = Instant::now();
+    vm.pause().unwrap();
+    assert!(asked.elapsed() < Duration::from_millis(200), "pause took {:?}", asked.elapsed());
+    vm.resume().unwrap();
+    vm.set_throttle(0.0);
+    collect(&console, Duration::from_millis(100));
+    let again = ops_rate(&console, Duration::from_millis(1500));
+    assert!(again > throttled * 2.0, "throttled {throttled:.0} ops/s, then {again:.0}");
+}
+
 #[test]
 fn saved_state_continues_in_a_fresh_vm() {
     if !kvm_or_skip() {
