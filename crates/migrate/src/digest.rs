@@ -183,6 +183,9 @@ pub struct BackgroundDigest {
     region: u32,
     requests: crossbeam_channel::Sender<Request>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Pages handed over and not hashed yet (an upper bound: a page marked
+    /// twice before its hash counts twice).
+    backlog: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 enum Request {
@@ -193,31 +196,40 @@ enum Request {
 impl BackgroundDigest {
     /// Starts the thread; every page is marked at first.
     pub fn start(mem: std::sync::Arc<GuestMemory>, region: u32) -> BackgroundDigest {
+        use std::sync::atomic::Ordering;
         let (requests, rx) = crossbeam_channel::unbounded::<Request>();
+        let backlog = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(memory::page_count(&mem)));
+        let thread_backlog = backlog.clone();
         let thread = std::thread::Builder::new()
             .name("digest".into())
             .spawn(move || {
                 let mut digest = IncrementalDigest::new(&mem, region);
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+                // Every page is stale at first.
+                let mut taken = memory::page_count(&mem);
                 while let Ok(first) = rx.recv() {
                     // Take every request queued so far, then hash once.
                     let mut waiting = Vec::new();
                     for request in std::iter::once(first).chain(rx.try_iter()) {
                         match request {
-                            Request::Mark(pages) => digest.mark(&pages),
+                            Request::Mark(pages) => {
+                                taken += count_bits(&pages);
+                                digest.mark(&pages);
+                            }
                             Request::Hashes(reply) => waiting.push(reply),
                         }
                     }
                     // One thread while the migration runs beside it; every
                     // core when someone waits (the guest is paused then).
                     digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
+                    thread_backlog.fetch_sub(std::mem::take(&mut taken), Ordering::Relaxed);
                     for reply in waiting {
                         let _ = reply.send(digest.hashes().to_vec());
                     }
                 }
             })
             .expect("spawn digest thread");
-        BackgroundDigest { region, requests, thread: Some(thread) }
+        BackgroundDigest { region, requests, thread: Some(thread), backlog }
     }
 
     /// The region size.
@@ -227,7 +239,13 @@ impl BackgroundDigest {
 
     /// Hands over pages to hash (one bit per page).
     pub fn mark(&self, pages: Vec<u64>) {
+        self.backlog.fetch_add(count_bits(&pages), std::sync::atomic::Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages));
+    }
+
+    /// Pages handed over and not hashed yet (at most).
+    pub fn backlog_pages(&self) -> u64 {
+        self.backlog.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The digest with every marked page hashed.
@@ -247,6 +265,10 @@ impl Drop for BackgroundDigest {
             let _ = thread.join();
         }
     }
+}
+
+fn count_bits(words: &[u64]) -> u64 {
+    words.iter().map(|w| w.count_ones() as u64).sum()
 }
 
 /// Encodes a DIGEST payload: region size, count, hashes.
@@ -336,6 +358,22 @@ mod tests {
         assert_eq!(compare(&encode(1 << 20, &before), 1 << 20, &after).unwrap(), vec![5]);
         assert!(compare(&encode(1 << 20, &before[..3]), 1 << 20, &after).is_err());
         assert!(compare(&encode(1 << 19, &before), 1 << 20, &after).is_err());
+    }
+
+    #[test]
+    fn background_digest_counts_what_it_has_not_hashed() {
+        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
+        let digest = BackgroundDigest::start(mem.clone(), 256 << 10);
+        assert!(digest.backlog_pages() <= 4096, "all pages at first, at most");
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
+        assert_eq!(digest.backlog_pages(), 0);
+        let mut dirty = vec![0u64; 4096 / 64];
+        dirty[0] = 0b1011;
+        memory::write(&mem, 4096, &[5]).unwrap();
+        digest.mark(dirty);
+        assert!(digest.backlog_pages() <= 3);
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
+        assert_eq!(digest.backlog_pages(), 0);
     }
 
     #[test]

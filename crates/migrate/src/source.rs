@@ -24,6 +24,12 @@ use crate::transport::{Address, Metered, Pacer, Stream, TransportError};
 use crate::wire::{self, FrameKind, Hello, WireError};
 use crate::zerocopy::{self, GuestPages};
 
+/// Unhashed pages (512 MiB) above which a converged pre-copy lets the
+/// digest catch up before it pauses the guest: hashing in the downtime ran
+/// at ~8 GB/s on this 2-core host (4 GiB in 508 ms), so less than this
+/// costs the downtime under ~60 ms.
+const DIGEST_LAG_PAGES: u64 = 131_072;
+
 /// Times the verification pass may re-send regions before giving up.
 const MAX_REPAIR_ROUNDS: u32 = 2;
 
@@ -395,12 +401,26 @@ impl SourceRun<'_> {
                 if !converged && self.options.abort_if_not_converged {
                     return Err(SourceError::NotConverged(reason.into()));
                 }
+                if converged && self.digest_lags() {
+                    // Hash the backlog while the guest still runs: in the
+                    // downtime it took 0.3-0.8 s for a 4 GiB VM that
+                    // converged in two quick iterations. What the guest
+                    // dirties meanwhile joins the final pages.
+                    self.progress.update(|p| p.phase = "hashing before the stop".into());
+                    let _ = self.digest.as_ref().map(|d| d.hashes());
+                }
                 // Without manual protect, `bitmap` was cleared in KVM: keep
                 // it for stop-and-copy, which ORs in what comes after.
                 self.pending = Some(bitmap);
                 return Ok(());
             }
         }
+    }
+
+    /// Whether the memory digest has so much left to hash that doing it
+    /// during the downtime would matter.
+    fn digest_lags(&self) -> bool {
+        self.digest.as_ref().is_some_and(|d| d.backlog_pages() > DIGEST_LAG_PAGES)
     }
 
     /// Hands the pages just sent to the digest thread, which hashes them
