@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--max-iterations", type=int, default=30,
                     help="give up after this many iterations, in the replay and the real migration alike "
                          "(default: the engine's, %(default)s)")
+    ap.add_argument("--auto-converge", action="store_true",
+                    help="migrate with --auto-converge and replay it (simulate --auto-converge)")
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--run-flag", action="append", default=[], help="extra flag for `tsubame run` (repeatable)")
     ap.add_argument("--pin-vcpu", action="store_true",
@@ -180,6 +182,8 @@ def main():
         sim_json = os.path.join(out, "simulate.json")
         sim_cmd = [TSUBAME, "simulate", "--trace", trace_file, "--bandwidth", args.bandwidth,
                    "--method", args.method, "--max-iterations", str(args.max_iterations), "--json", sim_json]
+        if args.auto_converge:
+            sim_cmd.append("--auto-converge")
         sim_text = subprocess.run(sim_cmd, check=True, capture_output=True, text=True).stdout
         plan_json = os.path.join(out, "plan.json")
         plan_cmd = [TSUBAME, "plan", "--trace", trace_file, "--bandwidths", args.bandwidth, "--json", plan_json]
@@ -193,6 +197,8 @@ def main():
                    "--max-bandwidth", args.bandwidth, "--granularity", str(args.migrate_granularity),
                    "--max-iterations", str(args.max_iterations),
                    "--json", real_json]
+        if args.auto_converge:
+            mig_cmd.append("--auto-converge")
         t2 = time.monotonic()
         s3 = vcpu_schedstat(vm.pid)
         subprocess.run(mig_cmd, check=True, stdout=subprocess.DEVNULL)

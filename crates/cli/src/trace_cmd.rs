@@ -147,6 +147,10 @@ pub struct SimulateArgs {
     /// write-protection dirties a whole 2 MiB piece once.
     #[arg(long, default_value = "auto")]
     pub huge_pages: String,
+    /// Replay `migrate --auto-converge`: the same policy slows the replayed
+    /// guest as it would slow the real one.
+    #[arg(long)]
+    pub auto_converge: bool,
     /// Write a PNG of the remaining bytes per iteration, one line per method.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -176,13 +180,22 @@ fn sim_options(
     if max_iterations == 0 {
         return Err(usage_error("--max-iterations must be at least 1"));
     }
-    Ok(SimOptions { bandwidth, downtime_limit: limit.as_secs_f64(), max_iterations, guest_speed, huge_pages })
+    Ok(SimOptions {
+        bandwidth,
+        downtime_limit: limit.as_secs_f64(),
+        max_iterations,
+        guest_speed,
+        huge_pages,
+        auto_converge: false,
+    })
 }
 
 /// Runs `tsubame simulate`.
 pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
-    let options =
-        sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed, &args.huge_pages)?;
+    let options = SimOptions {
+        auto_converge: args.auto_converge,
+        ..sim_options(&args.bandwidth, &args.downtime_limit, args.max_iterations, args.guest_speed, &args.huge_pages)?
+    };
     let methods = methods(&args.method)?;
     if !(0.0..0.9).contains(&args.speed_spread) {
         return Err(usage_error("--speed-spread must be in [0, 0.9)"));
@@ -226,6 +239,10 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
             if r.converged { "converged".to_string() } else { format!("not converged ({})", r.stop_reason) },
             format_bytes(r.bytes_total as u64),
         );
+        let most = r.iterations.iter().map(|i| i.throttle).fold(0.0, f64::max);
+        if most > 0.0 {
+            println!("{:<12} auto-converge throttled the guest up to {:.0} %", "", most * 100.0);
+        }
         if let Some(spread) = &r.spread {
             println!("{:<12} {}", "", spread_line(spread));
         }

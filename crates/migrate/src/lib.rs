@@ -1,7 +1,6 @@
 //! tsubame's migration engine: pre-copy source and destination state
 //! machines, the stream format, transports, digests and statistics.
 
-pub mod auto_converge;
 pub mod buffer_budget;
 pub mod destination;
 pub mod digest;

@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tsubame_trace::auto_converge::AutoConverge;
 use tsubame_vmm::{memory, PAGE_SIZE};
 
-use crate::auto_converge::AutoConverge;
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
 use crate::pipeline::{Batch, EncoderSetup, Engine, EngineSetup, PipelineError, ShardLayout, Writer};

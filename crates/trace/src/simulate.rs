@@ -7,6 +7,7 @@
 
 use serde::Serialize;
 
+use crate::auto_converge::AutoConverge;
 use crate::format::{Trace, PAGE};
 
 /// Bytes of a page record's header in tsubame's stream.
@@ -68,6 +69,10 @@ pub struct SimOptions {
     /// 1 GiB `kv` re-sent 95 % of its working set in iteration 1 with huge
     /// pages, against the 27 % its writes alone explain).
     pub huge_pages: Option<bool>,
+    /// Throttle the guest as `migrate --auto-converge` does (the same
+    /// policy, `crate::auto_converge`): a throttle p leaves the guest
+    /// 1 − p of its speed.
+    pub auto_converge: bool,
 }
 
 /// One simulated iteration.
@@ -84,6 +89,8 @@ pub struct SimIteration {
     /// The guest's modelled speed while it was on the wire, as a fraction
     /// of its undisturbed speed (0 for the stop-and-copy: paused).
     pub guest_speed: f64,
+    /// Share of the time auto-converge made the guest sleep.
+    pub throttle: f64,
 }
 
 /// A simulated migration.
@@ -431,10 +438,13 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         bytes += if trace.is_nonzero(p) { full } else { RECORD_HEADER };
     }
     let mut count = pages;
+    let mut auto_converge = AutoConverge::default();
     let (converged, reason, last) = loop {
         let duration = bytes / options.bandwidth;
         let turn = |p: u64| Some(send_at[p as usize]).filter(|t| !t.is_nan());
-        let (dirty, work) = run_guest(trace, &clock, options, &mut state, duration, &turn);
+        let throttle = auto_converge.fraction;
+        let running = SimOptions { guest_speed: options.guest_speed * (1.0 - throttle), ..*options };
+        let (dirty, work) = run_guest(trace, &clock, &running, &mut state, duration, &turn);
         let guest_speed = if duration > 0.0 { work / duration } else { 0.0 };
         iterations.push(SimIteration {
             index: iterations.len() as u32,
@@ -442,6 +452,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
             bytes,
             duration_s: duration,
             guest_speed,
+            throttle,
         });
         now += duration;
         send_at.iter_mut().for_each(|t| *t = f64::NAN);
@@ -465,6 +476,10 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         if sent > 3.0 * trace.setup.memory_bytes as f64 {
             break (false, "sent-3x-memory", bytes);
         }
+        if options.auto_converge && iterations.len() > 1 {
+            let just_sent = iterations.last().map_or(0.0, |i| i.bytes);
+            auto_converge.after_iteration(bytes, just_sent);
+        }
     };
     let downtime = last / options.bandwidth;
     iterations.push(SimIteration {
@@ -473,6 +488,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         bytes: last,
         duration_s: downtime,
         guest_speed: 0.0,
+        throttle: auto_converge.fraction,
     });
     SimResult {
         method,
@@ -522,8 +538,14 @@ mod tests {
     #[test]
     fn a_spread_is_the_replays_with_the_guest_slower_and_faster() {
         let trace = sparse_trace();
-        let options =
-            SimOptions { bandwidth: 10e6, downtime_limit: 0.3, max_iterations: 20, guest_speed: 1.0, huge_pages: None };
+        let options = SimOptions {
+            bandwidth: 10e6,
+            downtime_limit: 0.3,
+            max_iterations: 20,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        };
         for method in Method::ALL {
             let result = simulate_with_spread(&trace, method, &options, 0.2);
             let spread = result.spread.as_ref().unwrap();
@@ -542,11 +564,41 @@ mod tests {
     }
 
     #[test]
+    fn auto_converge_slows_the_replayed_guest() {
+        let trace = sparse_trace();
+        let options = SimOptions {
+            bandwidth: 10e6,
+            downtime_limit: 0.3,
+            max_iterations: 100,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        };
+        let free = simulate(&trace, Method::Page, &options);
+        assert!(free.iterations.iter().all(|i| i.throttle == 0.0));
+        let throttled = simulate(&trace, Method::Page, &SimOptions { auto_converge: true, ..options });
+        let throttles: Vec<f64> = throttled.iterations.iter().map(|i| i.throttle).collect();
+        // Iterations 1 and 2 dirty more than half of what they send: the
+        // throttle starts in iteration 3, as the engine's would.
+        assert_eq!(throttles[..4], [0.0, 0.0, 0.0, 0.2], "{throttles:?}");
+        assert!(throttles.windows(2).all(|w| w[0] <= w[1]), "{throttles:?}");
+        let (n, last) = (throttled.iterations.len() - 2, &throttled.iterations[throttled.iterations.len() - 2]);
+        assert!(last.guest_speed < free.iterations[n].guest_speed * 0.9, "{last:?}");
+        assert!(last.pages < free.iterations[n].pages, "a slower guest dirties fewer pages");
+    }
+
+    #[test]
     fn subpage_converges_where_pages_do_not() {
         let trace = sparse_trace();
         // 10 MB/s: a 4 KiB page per write cannot keep up; 150 B can.
-        let options =
-            SimOptions { bandwidth: 10e6, downtime_limit: 0.3, max_iterations: 20, guest_speed: 1.0, huge_pages: None };
+        let options = SimOptions {
+            bandwidth: 10e6,
+            downtime_limit: 0.3,
+            max_iterations: 20,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        };
         let page = simulate(&trace, Method::Page, &options);
         let sub = simulate(&trace, Method::Subpage, &options);
         let xbz = simulate(&trace, Method::PageXbzrle, &options);
@@ -584,8 +636,14 @@ mod tests {
         // 8 MiB at 8 MB/s: iteration 0 takes ~1 s and reaches page 1000
         // about halfway, page 0 at once. Both are written all along, so
         // both are dirty again; nothing else is.
-        let options =
-            SimOptions { bandwidth: 8e6, downtime_limit: 0.01, max_iterations: 3, guest_speed: 1.0, huge_pages: None };
+        let options = SimOptions {
+            bandwidth: 8e6,
+            downtime_limit: 0.01,
+            max_iterations: 3,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        };
         let r = simulate(&two_page_trace(false), Method::Page, &options);
         assert_eq!(r.iterations[1].pages, 2, "{r:?}");
         // With 2 MiB pieces, the first write after each page's turn
@@ -611,8 +669,14 @@ mod tests {
         // 1 MB/s: iteration 0 takes ~8 s, eight passes over the trace; the
         // 500 pages are written long before their turn (0.4-2.4 s) and,
         // the warm-up not coming back, never after it.
-        let options =
-            SimOptions { bandwidth: 1e6, downtime_limit: 0.001, max_iterations: 2, guest_speed: 1.0, huge_pages: None };
+        let options = SimOptions {
+            bandwidth: 1e6,
+            downtime_limit: 0.001,
+            max_iterations: 2,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        };
         let r = simulate(&trace, Method::Page, &options);
         assert_eq!(r.iterations[1].pages, 2, "{r:?}");
     }
