@@ -213,7 +213,7 @@ impl BackgroundDigest {
                     for request in std::iter::once(first).chain(rx.try_iter()) {
                         match request {
                             Request::Mark(pages) => {
-                                taken += count_bits(&pages);
+                                taken += crate::pages::count_pages(&pages);
                                 digest.mark(&pages);
                             }
                             Request::Hashes(reply) => waiting.push(reply),
@@ -239,7 +239,7 @@ impl BackgroundDigest {
 
     /// Hands over pages to hash (one bit per page).
     pub fn mark(&self, pages: Vec<u64>) {
-        self.backlog.fetch_add(count_bits(&pages), std::sync::atomic::Ordering::Relaxed);
+        self.backlog.fetch_add(crate::pages::count_pages(&pages), std::sync::atomic::Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages));
     }
 
@@ -265,10 +265,6 @@ impl Drop for BackgroundDigest {
             let _ = thread.join();
         }
     }
-}
-
-fn count_bits(words: &[u64]) -> u64 {
-    words.iter().map(|w| w.count_ones() as u64).sum()
 }
 
 /// Encodes a DIGEST payload: region size, count, hashes.

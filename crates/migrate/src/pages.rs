@@ -218,6 +218,11 @@ pub fn for_each_subpage(data: &[u8], granularity: usize, mut write: impl FnMut(u
     }
 }
 
+/// Pages set in a bitmap (one bit per page).
+pub fn count_pages(bitmap: &[u64]) -> u64 {
+    bitmap.iter().map(|w| w.count_ones() as u64).sum()
+}
+
 /// True when the page is all zeros.
 pub fn is_zero_page(page: &[u8]) -> bool {
     // OR of 8-byte words, no early exit: the compiler vectorizes it.

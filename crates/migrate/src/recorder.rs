@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tsubame_trace::format::{xbzrle_size, PageChange, Setup, TraceError, TraceWriter};
 use tsubame_vmm::{memory, Vm, PAGE_SIZE};
 
-use crate::pages::is_zero_page;
+use crate::pages::{count_pages, is_zero_page};
 
 /// Bitmap words cleared and read per step.
 const WORDS_PER_CHUNK: usize = 16;
@@ -149,12 +149,8 @@ pub fn record(
             huge_pages: vm.hugepages(),
         };
         let mut writer = TraceWriter::new(out, &setup, &nonzero)?;
-        let mut summary = RecordSummary {
-            intervals: 0,
-            changes: 0,
-            nonzero_pages: nonzero.iter().map(|w| w.count_ones() as u64).sum(),
-            longest_tick_ms: 0.0,
-        };
+        let mut summary =
+            RecordSummary { intervals: 0, changes: 0, nonzero_pages: count_pages(&nonzero), longest_tick_ms: 0.0 };
         let g = options.granularity as usize;
         let start = Instant::now();
         let mut changes = Vec::new();

@@ -17,6 +17,7 @@ use tsubame_vmm::{memory, PAGE_SIZE};
 
 use crate::digest;
 use crate::options::{MigrateOptions, ProgressCell};
+use crate::pages::count_pages;
 use crate::pipeline::{Batch, EncoderSetup, Engine, EngineSetup, PipelineError, ShardLayout, Writer};
 pub use crate::source_vm::SourceVm;
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, IterationStats, MigrationStats};
@@ -375,7 +376,7 @@ impl SourceRun<'_> {
             iteration += 1;
 
             vm.dirty_log(&mut bitmap)?;
-            let remaining = count(&bitmap);
+            let remaining = count_pages(&bitmap);
             let expected = Duration::from_secs_f64(remaining as f64 * bytes_per_page / bw);
             self.stats.expected_downtime_ms = ms(expected);
             let stop = if remaining == 0 {
@@ -444,7 +445,7 @@ impl SourceRun<'_> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
-        let dirty_pages = count(bitmap);
+        let dirty_pages = count_pages(bitmap);
         let throttle = self.auto_converge.fraction;
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
@@ -635,10 +636,6 @@ fn session_id() -> u64 {
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
     h.write_u32(std::process::id());
     h.finish()
-}
-
-fn count(bitmap: &[u64]) -> u64 {
-    bitmap.iter().map(|w| w.count_ones() as u64).sum()
 }
 
 fn set_all(bitmap: &mut [u64], pages: u64) {
