@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::json;
 use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
-use tsubame_trace::simulate::{simulate_with_spread, GuestClock, Method, SimOptions, Spread};
+use tsubame_trace::simulate::{simulate_with_spread, GuestClock, Method, SimOptions, Spread, GUEST_SPEED_WANDER};
 use tsubame_trace::Trace;
 
 use crate::control::ControlClient;
@@ -140,7 +140,7 @@ pub struct SimulateArgs {
     /// about how much a guest's speed wanders) and print the range; a
     /// migration whose outcome moves within it is on the convergence
     /// edge. 0 turns this off.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = GUEST_SPEED_WANDER)]
     pub speed_spread: f64,
     /// Whether the migrating VM's memory is backed by 2 MiB pages: auto
     /// (as when traced), yes or no. Under KVM the first write after
@@ -377,14 +377,15 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
             predictions.push(p);
         }
     }
-    // Recommend only what converges with the guest 10 % faster too.
+    // Recommend only what converges with the guest faster by its usual wander too.
+    let margin = GUEST_SPEED_WANDER * 100.0;
     match predictions
         .iter()
         .filter(|p| p.converged && p.converged_if_faster)
         .min_by(|a, b| a.bandwidth.total_cmp(&b.bandwidth).then(a.total_time_s.total_cmp(&b.total_time_s)))
     {
         Some(p) => println!(
-            "needs at least {}/s with {} to stop within {}, with the guest 10 % faster too \
+            "needs at least {}/s with {} to stop within {}, with the guest {margin:.0} % faster too \
              (predicted {:.2} s total, {:.0} ms downtime)",
             format_bytes(p.bandwidth as u64),
             p.method.name(),
@@ -393,12 +394,12 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
             p.downtime_s * 1e3
         ),
         None => println!(
-            "no method converges within {} at these bandwidths with a 10 % margin on the guest's speed",
+            "no method converges within {} at these bandwidths with a {margin:.0} % margin on the guest's speed",
             args.downtime_limit
         ),
     }
     if predictions.iter().any(|p| p.converged && !p.converged_if_faster) {
-        println!("edge: converges at the traced speed but not with the guest 10 % faster");
+        println!("edge: converges at the traced speed but not with the guest {margin:.0} % faster");
     }
     if let Some(first) = predictions.first() {
         println!(

@@ -18,7 +18,7 @@
 use serde::Serialize;
 
 use crate::format::{Trace, PAGE};
-use crate::simulate::{GuestClock, Method, SimOptions, RECORD_HEADER};
+use crate::simulate::{GuestClock, Method, SimOptions, GUEST_SPEED_WANDER, RECORD_HEADER};
 
 /// The fitted model.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -168,9 +168,9 @@ pub struct Prediction {
     pub converged: bool,
     /// Pages dirty after iteration 0 (what iteration 1 sends).
     pub iteration1_dirty_pages: f64,
-    /// Whether it still converges with the guest 10 % faster (the guest's
-    /// speed wanders about that much; see `simulate::Spread`). A method
-    /// that converges only at the traced speed is on the edge.
+    /// Whether it still converges with the guest `GUEST_SPEED_WANDER`
+    /// faster (see `simulate::Spread`). A method that converges only at
+    /// the traced speed is on the edge.
     pub converged_if_faster: bool,
 }
 
@@ -214,10 +214,11 @@ fn dirty_after(model: &DirtyModel, sending: f64, work: f64) -> f64 {
 
 /// Predicts a pre-copy migration from the model, with tsubame's stop rules.
 /// The guest's speed is `options.guest_speed` (1 − β); the prediction also
-/// says whether it would converge with the guest 10 % faster.
+/// says whether it would converge with the guest `GUEST_SPEED_WANDER`
+/// faster.
 pub fn predict(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOptions) -> Prediction {
     let mut prediction = predict_at(trace, model, method, options);
-    let faster = SimOptions { guest_speed: options.guest_speed * 1.1, ..*options };
+    let faster = options.guest_speed_times(1.0 + GUEST_SPEED_WANDER);
     prediction.converged_if_faster = predict_at(trace, model, method, &faster).converged;
     prediction
 }

@@ -75,6 +75,13 @@ pub struct SimOptions {
     pub auto_converge: bool,
 }
 
+impl SimOptions {
+    /// The same, with the guest `factor` times as fast.
+    pub fn guest_speed_times(&self, factor: f64) -> SimOptions {
+        SimOptions { guest_speed: self.guest_speed * factor, ..*self }
+    }
+}
+
 /// One simulated iteration.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimIteration {
@@ -116,6 +123,11 @@ pub struct SimResult {
     pub spread: Option<Spread>,
 }
 
+/// How much a guest's speed wanders from second to second and run to run
+/// on one host (measured with kv: ±10 %): simulate's default spread and
+/// plan's margin.
+pub const GUEST_SPEED_WANDER: f64 = 0.1;
+
 /// How a replay's outcome moves when the guest runs `1 ± by` times as
 /// fast. The guest's speed wanders ±10 % from second to second and run to
 /// run on one host, and near the convergence edge a few percent of speed
@@ -155,8 +167,7 @@ pub fn simulate_with_spread(trace: &Trace, method: Method, options: &SimOptions,
     if by <= 0.0 {
         return result;
     }
-    let at =
-        |factor: f64| simulate(trace, method, &SimOptions { guest_speed: options.guest_speed * factor, ..*options });
+    let at = |factor: f64| simulate(trace, method, &options.guest_speed_times(factor));
     let (slower, faster) = (at(1.0 - by), at(1.0 + by));
     let all = [&result, &slower, &faster];
     let range = |f: &dyn Fn(&SimResult) -> f64| {
@@ -443,7 +454,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         let duration = bytes / options.bandwidth;
         let turn = |p: u64| Some(send_at[p as usize]).filter(|t| !t.is_nan());
         let throttle = auto_converge.fraction;
-        let running = SimOptions { guest_speed: options.guest_speed * (1.0 - throttle), ..*options };
+        let running = options.guest_speed_times(1.0 - throttle);
         let (dirty, work) = run_guest(trace, &clock, &running, &mut state, duration, &turn);
         let guest_speed = if duration > 0.0 { work / duration } else { 0.0 };
         iterations.push(SimIteration {
@@ -507,6 +518,18 @@ mod tests {
     use super::*;
     use crate::format::{Interval, PageChange, Setup};
 
+    /// A link and stop rules; the guest at its traced speed, no throttle.
+    fn link(bandwidth: f64, downtime_limit: f64, max_iterations: u32) -> SimOptions {
+        SimOptions {
+            bandwidth,
+            downtime_limit,
+            max_iterations,
+            guest_speed: 1.0,
+            huge_pages: None,
+            auto_converge: false,
+        }
+    }
+
     /// A trace where 1000 pages get one 8-byte write every 10 ms.
     fn sparse_trace() -> Trace {
         let setup = Setup {
@@ -538,14 +561,7 @@ mod tests {
     #[test]
     fn a_spread_is_the_replays_with_the_guest_slower_and_faster() {
         let trace = sparse_trace();
-        let options = SimOptions {
-            bandwidth: 10e6,
-            downtime_limit: 0.3,
-            max_iterations: 20,
-            guest_speed: 1.0,
-            huge_pages: None,
-            auto_converge: false,
-        };
+        let options = link(10e6, 0.3, 20);
         for method in Method::ALL {
             let result = simulate_with_spread(&trace, method, &options, 0.2);
             let spread = result.spread.as_ref().unwrap();
@@ -566,14 +582,7 @@ mod tests {
     #[test]
     fn auto_converge_slows_the_replayed_guest() {
         let trace = sparse_trace();
-        let options = SimOptions {
-            bandwidth: 10e6,
-            downtime_limit: 0.3,
-            max_iterations: 100,
-            guest_speed: 1.0,
-            huge_pages: None,
-            auto_converge: false,
-        };
+        let options = link(10e6, 0.3, 100);
         let free = simulate(&trace, Method::Page, &options);
         assert!(free.iterations.iter().all(|i| i.throttle == 0.0));
         let throttled = simulate(&trace, Method::Page, &SimOptions { auto_converge: true, ..options });
@@ -591,14 +600,7 @@ mod tests {
     fn subpage_converges_where_pages_do_not() {
         let trace = sparse_trace();
         // 10 MB/s: a 4 KiB page per write cannot keep up; 150 B can.
-        let options = SimOptions {
-            bandwidth: 10e6,
-            downtime_limit: 0.3,
-            max_iterations: 20,
-            guest_speed: 1.0,
-            huge_pages: None,
-            auto_converge: false,
-        };
+        let options = link(10e6, 0.3, 20);
         let page = simulate(&trace, Method::Page, &options);
         let sub = simulate(&trace, Method::Subpage, &options);
         let xbz = simulate(&trace, Method::PageXbzrle, &options);
@@ -636,14 +638,7 @@ mod tests {
         // 8 MiB at 8 MB/s: iteration 0 takes ~1 s and reaches page 1000
         // about halfway, page 0 at once. Both are written all along, so
         // both are dirty again; nothing else is.
-        let options = SimOptions {
-            bandwidth: 8e6,
-            downtime_limit: 0.01,
-            max_iterations: 3,
-            guest_speed: 1.0,
-            huge_pages: None,
-            auto_converge: false,
-        };
+        let options = link(8e6, 0.01, 3);
         let r = simulate(&two_page_trace(false), Method::Page, &options);
         assert_eq!(r.iterations[1].pages, 2, "{r:?}");
         // With 2 MiB pieces, the first write after each page's turn
@@ -669,14 +664,7 @@ mod tests {
         // 1 MB/s: iteration 0 takes ~8 s, eight passes over the trace; the
         // 500 pages are written long before their turn (0.4-2.4 s) and,
         // the warm-up not coming back, never after it.
-        let options = SimOptions {
-            bandwidth: 1e6,
-            downtime_limit: 0.001,
-            max_iterations: 2,
-            guest_speed: 1.0,
-            huge_pages: None,
-            auto_converge: false,
-        };
+        let options = link(1e6, 0.001, 2);
         let r = simulate(&trace, Method::Page, &options);
         assert_eq!(r.iterations[1].pages, 2, "{r:?}");
     }
