@@ -25,15 +25,21 @@ fn ops_of(line: &str) -> Option<u64> {
     line.strip_prefix("tsb ops=")?.split(' ').next()?.parse().ok()
 }
 
-/// Collects console lines for `span`; panics on guest errors.
-fn collect(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<String> {
+/// Collects console lines, with their arrival times, for `span`; panics
+/// on guest errors.
+fn collect_timed(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<ConsoleLine> {
     let end = Instant::now() + span;
     let mut lines = Vec::new();
     while let Ok(l) = console.recv_deadline(end) {
         assert!(!l.text.starts_with("tsubame-guest: error") && !l.text.contains("exception"), "guest: {}", l.text);
-        lines.push(l.text);
+        lines.push(l);
     }
     lines
+}
+
+/// Collects console lines for `span`; panics on guest errors.
+fn collect(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<String> {
+    collect_timed(console, span).into_iter().map(|l| l.text).collect()
 }
 
 fn ops(lines: &[String]) -> Vec<u64> {
@@ -102,13 +108,8 @@ fn pause_stops_progress_and_resume_restarts_it() {
 
 /// Guest ops per second over `span`, from the first progress line to the last.
 fn ops_rate(console: &Receiver<ConsoleLine>, span: Duration) -> f64 {
-    let end = Instant::now() + span;
-    let mut seen = Vec::new();
-    while let Ok(l) = console.recv_deadline(end) {
-        if let Some(ops) = ops_of(&l.text) {
-            seen.push((l.at, ops));
-        }
-    }
+    let seen: Vec<_> =
+        collect_timed(console, span).into_iter().filter_map(|l| Some((l.at, ops_of(&l.text)?))).collect();
     let (Some(first), Some(last)) = (seen.first(), seen.last()) else { return 0.0 };
     (last.1 - first.1) as f64 / last.0.duration_since(first.0).as_secs_f64().max(1e-3)
 }
