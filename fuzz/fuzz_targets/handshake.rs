@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 
 use libfuzzer_sys::fuzz_target;
 use tsubame_migrate::secure::{self, Opener, Psk, RecordFormat, Role, TlsConfig};
-use tsubame_migrate::wire;
+use tsubame_migrate::protocol::{self as wire, ChannelOpen};
 
 /// The peer: reads come from the fuzzer's bytes, writes vanish.
 struct Peer<'a>(&'a [u8]);
@@ -68,11 +68,11 @@ fuzz_target!(|data: &[u8]| {
     for _ in 0..2 {
         match wire::read_frame(&mut input, &mut frame) {
             Ok(wire::FrameKind::Hello) => drop(wire::Hello::decode(&frame)),
-            Ok(wire::FrameKind::Channel) => drop(wire::decode_channel(&frame)),
+            Ok(wire::FrameKind::Channel) => drop(ChannelOpen::decode(&frame)),
             Ok(_) => {}
             Err(_) => break,
         }
     }
     let _ = wire::Hello::decode(data);
-    let _ = wire::decode_channel(data);
+    let _ = ChannelOpen::decode(data);
 });

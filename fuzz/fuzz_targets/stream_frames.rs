@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tsubame_migrate::{digest, pages, wire};
+use tsubame_migrate::protocol::{self as wire, pages, Digest, Mismatch};
 
 fuzz_target!(|data: &[u8]| {
     let mut input = data;
@@ -38,10 +38,10 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
             }
         }
         wire::FrameKind::Digest => {
-            let _ = digest::compare(payload, 1 << 20, &[0u64; 64]);
+            let _ = Digest::decode(payload, 1 << 20, 64).map(|d| d.differing(&[0u64; 64]));
         }
         wire::FrameKind::Mismatch => {
-            let _ = digest::decode_mismatch(payload, 1 << 16);
+            let _ = Mismatch::decode(payload, 1 << 16);
         }
         _ => {}
     }

@@ -148,7 +148,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let mut json_stats = serde_json::to_value(&stats)?;
 
-    if stats.status != "completed" {
+    if stats.status != tsubame_migrate::stats::Status::Completed {
         print_summary(&json_stats);
         write_json(&args.flags.json, &json_stats)?;
         let tail = destination.log_tail();

@@ -80,7 +80,7 @@ impl Host {
                 return Ok(HostEnd::Quit);
             }
             if let Migration::Finished { stats, at, delivered } = &*self.migration.lock().unwrap() {
-                if stats.status == "completed" && (*delivered || at.elapsed() > LINGER) {
+                if stats.status == tsubame_migrate::stats::Status::Completed && (*delivered || at.elapsed() > LINGER) {
                     return Ok(HostEnd::Migrated(stats.clone()));
                 }
             }
@@ -113,7 +113,7 @@ impl Host {
         match &*self.migration.lock().unwrap() {
             Migration::None => false,
             Migration::Active(_) => true,
-            Migration::Finished { stats, .. } => stats.status == "completed",
+            Migration::Finished { stats, .. } => stats.status == tsubame_migrate::stats::Status::Completed,
         }
     }
 
@@ -127,7 +127,7 @@ impl Host {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
                 Migration::Active(_) => return Err("a migration is already running".into()),
-                Migration::Finished { stats, .. } if stats.status == "completed" => {
+                Migration::Finished { stats, .. } if stats.status == tsubame_migrate::stats::Status::Completed => {
                     return Err("the VM has already been migrated away".into())
                 }
                 _ => {}

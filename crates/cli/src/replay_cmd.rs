@@ -116,7 +116,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     };
     let log = std::fs::read_to_string(dir.join("destination.log")).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
-    if stats.status != "completed" {
+    if stats.status != tsubame_migrate::stats::Status::Completed {
         anyhow::bail!("migration failed: {}", stats.error.as_deref().unwrap_or("unknown error"));
     }
     if !destination_ok {

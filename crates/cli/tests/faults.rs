@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use common::{kvm_or_skip, read_raw_frame, scratch, try_control as control, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
-use tsubame_migrate::wire::{self, FrameKind, PREAMBLE_LEN};
+use tsubame_migrate::protocol::{self as wire, FrameKind, PREAMBLE_LEN};
 
 /// xorshift64*: enough randomness for choosing fault points.
 struct Rng(u64);

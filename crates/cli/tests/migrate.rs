@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{control, kvm_or_skip, read_raw_frame, scratch, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
-use tsubame_migrate::wire::{FrameKind, PREAMBLE_LEN};
+use tsubame_migrate::protocol::{FrameKind, PREAMBLE_LEN};
 
 /// A source VM (`run --control`) and a destination (`receive --control`).
 struct Pair {

@@ -9,12 +9,12 @@ use tsubame_codec::dedup::{DedupDecoder, DedupEncoder};
 use tsubame_codec::superfasthash::{superfasthash_chunks, superfasthash_many};
 use tsubame_codec::xbzrle::{Outcome, XbzrleDecoder, XbzrleEncoder};
 use tsubame_codec::zero::{self, ZeroImpl};
-use tsubame_codec::{rle, PAGE};
+use tsubame_codec::{rle, PAGE_SIZE};
 
 /// Pages per batch, as the migration pipeline sends them.
 const PAGES: usize = 1024;
 
-type Page = [u8; PAGE];
+type Page = [u8; PAGE_SIZE];
 
 struct Rng(u64);
 
@@ -32,7 +32,7 @@ fn text_pages(seed: u64) -> Vec<Page> {
     let mut rng = Rng(seed | 1);
     (0..PAGES)
         .map(|_| {
-            let mut page = [0u8; PAGE];
+            let mut page = [0u8; PAGE_SIZE];
             page.iter_mut().for_each(|b| *b = 0x20 + (rng.next() % 0x5F) as u8);
             page
         })
@@ -46,7 +46,7 @@ fn mixed_pages(seed: u64) -> Vec<Page> {
     let pool: Vec<u8> = (0..8 * 256).map(|_| rng.next() as u8).collect();
     (0..PAGES)
         .map(|p| {
-            let mut page = [0u8; PAGE];
+            let mut page = [0u8; PAGE_SIZE];
             for (s, seg) in page.chunks_exact_mut(512).enumerate() {
                 match (p + s) % 4 {
                     0 => {}
@@ -83,23 +83,23 @@ fn records(pages: &[Page], mut encode: impl FnMut(usize, &Page, &mut Vec<u8>) ->
 fn bench(c: &mut Criterion) {
     let text = text_pages(1);
     let mixed = mixed_pages(2);
-    let zeros = vec![[0u8; PAGE]; PAGES];
+    let zeros = vec![[0u8; PAGE_SIZE]; PAGES];
     // `text` with four 8-byte writes per page.
     let mut changed = text.clone();
     let mut rng = Rng(3);
     for page in changed.iter_mut() {
         for _ in 0..4 {
-            let at = (rng.next() as usize % (PAGE / 8)) * 8;
+            let at = (rng.next() as usize % (PAGE_SIZE / 8)) * 8;
             page[at..at + 8].copy_from_slice(&rng.next().to_le_bytes());
         }
     }
 
     let mut g = c.benchmark_group("codec");
-    g.throughput(Throughput::Bytes((PAGES * PAGE) as u64));
-    let mut out = Vec::with_capacity(2 * PAGE);
-    let mut page = [0u8; PAGE];
+    g.throughput(Throughput::Bytes((PAGES * PAGE_SIZE) as u64));
+    let mut out = Vec::with_capacity(2 * PAGE_SIZE);
+    let mut page = [0u8; PAGE_SIZE];
 
-    let mut dst = vec![[0u8; PAGE]; PAGES];
+    let mut dst = vec![[0u8; PAGE_SIZE]; PAGES];
     g.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&text))));
 
     g.bench_function("zero-detect", |b| b.iter(|| zeros.iter().filter(|p| zero::is_zero(black_box(p))).count()));
@@ -125,7 +125,7 @@ fn bench(c: &mut Criterion) {
             set.iter().enumerate().filter(|(i, p)| enc.encode(*i as u64, p, &mut out) == Outcome::Encoded).count()
         })
     });
-    let hit_records = records(&changed, |i, p, o| tsubame_codec::xbzrle::encode_delta(&text[i], p, o, PAGE - 1));
+    let hit_records = records(&changed, |i, p, o| tsubame_codec::xbzrle::encode_delta(&text[i], p, o, PAGE_SIZE - 1));
     let mut dec = XbzrleDecoder::new(64 << 20);
     for (i, p) in text.iter().enumerate() {
         dec.observe(i as u64, p);
@@ -136,7 +136,7 @@ fn bench(c: &mut Criterion) {
 
     g.bench_function("rle-encode", |b| b.iter(|| mixed.iter().filter(|p| rle::encode(p, &mut out)).count()));
     let rle_records = records(&mixed, |_, p, o| rle::encode(p, o));
-    eprintln!("rle: mixed batch {} -> {} bytes", PAGES * PAGE, rle_records.iter().map(Vec::len).sum::<usize>());
+    eprintln!("rle: mixed batch {} -> {} bytes", PAGES * PAGE_SIZE, rle_records.iter().map(Vec::len).sum::<usize>());
     g.bench_function("rle-decode", |b| {
         b.iter(|| rle_records.iter().enumerate().for_each(|(i, r)| rle::decode(r, i as u64, &mut page).unwrap()))
     });
@@ -188,7 +188,7 @@ fn bench(c: &mut Criterion) {
     });
     eprintln!(
         "dedup: mixed batch, warm cache {} -> {} bytes",
-        PAGES * PAGE,
+        PAGES * PAGE_SIZE,
         hit_records.iter().map(Vec::len).sum::<usize>()
     );
     g.bench_function("dedup-decode-hit", |b| {

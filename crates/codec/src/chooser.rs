@@ -12,7 +12,7 @@ use crate::batch::BatchCodec;
 use crate::dedup::{DedupDecoder, DedupEncoder, DedupStats};
 use crate::error::CodecError;
 use crate::xbzrle::{CacheStats, Outcome, XbzrleDecoder, XbzrleEncoder};
-use crate::{rle, zero, DecodePage, EncodePage, Encoded, PAGE, TAG_DEDUP, TAG_RAW, TAG_RLE, TAG_XBZRLE, TAG_ZERO};
+use crate::{rle, zero, DecodePage, EncodePage, Encoded, PAGE_SIZE, TAG_DEDUP, TAG_RAW, TAG_RLE, TAG_XBZRLE, TAG_ZERO};
 
 /// Default XBZRLE cache: 512 MiB, as GMigrate and QEMU users commonly set.
 pub const DEFAULT_XBZRLE_CACHE: usize = 512 << 20;
@@ -81,7 +81,7 @@ impl std::str::FromStr for CodecList {
                 match value {
                     None => Ok(default),
                     Some(v) => parse_bytes(v)
-                        .filter(|&b| (2 * PAGE..=(64usize << 30)).contains(&b))
+                        .filter(|&b| (2 * PAGE_SIZE..=(64usize << 30)).contains(&b))
                         .ok_or_else(|| bad(format!("'{item}': cache size must be 8K to 64G"))),
                 }
             };
@@ -363,11 +363,11 @@ impl Sample {
 fn record(payoff: &mut Payoff, stats: &mut CodecStats, timed: Option<f64>, bytes_out: usize, bandwidth: f64) {
     match timed {
         Some(seconds) => {
-            payoff.record(seconds, PAGE, bytes_out, bandwidth);
-            stats.timed_bytes += PAGE as u64;
+            payoff.record(seconds, PAGE_SIZE, bytes_out, bandwidth);
+            stats.timed_bytes += PAGE_SIZE as u64;
             stats.timed_ns += (seconds * 1e9) as u64;
         }
-        None => payoff.record_untimed(PAGE, bytes_out, bandwidth),
+        None => payoff.record_untimed(PAGE_SIZE, bytes_out, bandwidth),
     }
     stats.switched_off = payoff.switched_off();
 }
@@ -430,7 +430,7 @@ impl PageEncoder {
 
     /// A page the caller sent raw without asking (e.g. a repair): keeps
     /// the XBZRLE cache in step with the decoder's `observe`.
-    pub fn observe_raw(&mut self, index: u64, page: &[u8; PAGE]) {
+    pub fn observe_raw(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         if let Some(x) = &mut self.xbzrle {
             x.observe(index, page);
         }
@@ -453,7 +453,7 @@ impl PageEncoder {
             crate::TAG_DEDUP => Codec::Dedup,
             _ => Codec::Raw,
         };
-        self.stats.count(codec, PAGE, bytes_out);
+        self.stats.count(codec, PAGE_SIZE, bytes_out);
     }
 
     /// Counts a compressed batch under `name` ("lz4" or "zstd").
@@ -467,12 +467,12 @@ impl PageEncoder {
     }
 
     /// Chooses how to send `page`; a codec record goes into `out`.
-    pub fn encode(&mut self, index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded {
+    pub fn encode(&mut self, index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded {
         if self.list.zero && zero::is_zero(page) {
             if let Some(x) = &mut self.xbzrle {
                 x.note_zero(index);
             }
-            self.stats.count(Codec::Zero, PAGE, 0);
+            self.stats.count(Codec::Zero, PAGE_SIZE, 0);
             return Encoded::Zero;
         }
         self.tick = self.tick.wrapping_add(1);
@@ -484,12 +484,12 @@ impl PageEncoder {
                 let t = clock();
                 let outcome = x.encode(index, page, out);
                 if outcome != Outcome::Miss {
-                    let produced = if outcome == Outcome::Encoded { out.len() } else { PAGE };
+                    let produced = if outcome == Outcome::Encoded { out.len() } else { PAGE_SIZE };
                     let stats = self.stats.get_mut(Codec::Xbzrle);
                     record(&mut self.xbzrle_payoff, stats, t.seconds(), produced, bw);
                 }
                 if outcome == Outcome::Encoded {
-                    self.stats.count(Codec::Xbzrle, PAGE, out.len());
+                    self.stats.count(Codec::Xbzrle, PAGE_SIZE, out.len());
                     return Encoded::Record(TAG_XBZRLE);
                 }
             } else {
@@ -503,31 +503,31 @@ impl PageEncoder {
                 d.encode(page, out);
                 let stats = self.stats.get_mut(Codec::Dedup);
                 record(&mut self.dedup_payoff, stats, t.seconds(), out.len(), bw);
-                self.stats.count(Codec::Dedup, PAGE, out.len());
+                self.stats.count(Codec::Dedup, PAGE_SIZE, out.len());
                 return Encoded::Record(TAG_DEDUP);
             }
         }
         if self.list.rle && self.rle_payoff.enabled() {
             let t = clock();
             let fits = rle::encode(page, out);
-            let produced = if fits { out.len() } else { PAGE };
+            let produced = if fits { out.len() } else { PAGE_SIZE };
             record(&mut self.rle_payoff, self.stats.get_mut(Codec::Rle), t.seconds(), produced, bw);
             if fits {
-                self.stats.count(Codec::Rle, PAGE, out.len());
+                self.stats.count(Codec::Rle, PAGE_SIZE, out.len());
                 return Encoded::Record(TAG_RLE);
             }
         }
-        self.stats.count(Codec::Raw, PAGE, PAGE);
+        self.stats.count(Codec::Raw, PAGE_SIZE, PAGE_SIZE);
         Encoded::Raw
     }
 }
 
 impl EncodePage for PageEncoder {
-    fn encode(&mut self, index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded {
+    fn encode(&mut self, index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded {
         PageEncoder::encode(self, index, page, out)
     }
 
-    fn observe_raw(&mut self, index: u64, page: &[u8; PAGE]) {
+    fn observe_raw(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         PageEncoder::observe_raw(self, index, page)
     }
 
@@ -555,15 +555,15 @@ impl PageDecoder {
 
     /// Decodes a record with `tag` of page `index` into `out`. Raw and
     /// zero records are accepted too (and observed).
-    pub fn decode(&mut self, index: u64, tag: u8, data: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    pub fn decode(&mut self, index: u64, tag: u8, data: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         let unknown = CodecError::UnknownTag { tag, page: index };
         match tag {
             TAG_RAW => {
-                let page: &[u8; PAGE] = data.try_into().map_err(|_| {
-                    if data.len() < PAGE {
+                let page: &[u8; PAGE_SIZE] = data.try_into().map_err(|_| {
+                    if data.len() < PAGE_SIZE {
                         CodecError::Truncated { codec: "raw", page: index }
                     } else {
-                        CodecError::Trailing { codec: "raw", page: index, extra: data.len() - PAGE }
+                        CodecError::Trailing { codec: "raw", page: index, extra: data.len() - PAGE_SIZE }
                     }
                 })?;
                 out.copy_from_slice(page);
@@ -586,7 +586,7 @@ impl PageDecoder {
     }
 
     /// A non-zero page that arrived raw: keeps the XBZRLE cache in step.
-    pub fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    pub fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         if let Some(x) = &mut self.xbzrle {
             x.observe(index, page);
         }
@@ -601,11 +601,11 @@ impl PageDecoder {
 }
 
 impl DecodePage for PageDecoder {
-    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         PageDecoder::decode(self, index, tag, input, out)
     }
 
-    fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         PageDecoder::observe(self, index, page)
     }
 
@@ -639,14 +639,14 @@ mod tests {
     #[test]
     fn payoff_benches_a_slow_codec_and_tries_it_again() {
         let mut p = Payoff::default();
-        let pages = (WINDOW_BYTES / PAGE as u64) as usize;
+        let pages = (WINDOW_BYTES / PAGE_SIZE as u64) as usize;
         for _ in 0..pages {
             assert!(p.enabled());
-            p.record(1e-6, PAGE, PAGE - 1, 1e9); // 1 µs to save 1 ns of wire
+            p.record(1e-6, PAGE_SIZE, PAGE_SIZE - 1, 1e9); // 1 µs to save 1 ns of wire
         }
         assert!(!p.is_on());
         let benched = (0..100_000).take_while(|_| !p.enabled()).count();
-        assert_eq!(benched, (BENCH_BYTES / PAGE as u64) as usize);
+        assert_eq!(benched, (BENCH_BYTES / PAGE_SIZE as u64) as usize);
         assert_eq!(p.switched_off(), 1);
     }
 
@@ -656,11 +656,11 @@ mod tests {
         // saved per page), not on a 100 Gbit/s one (40 ns saved).
         for (bw, pays) in [(125e6, true), (12.5e9, false), (f64::INFINITY, true), (0.0, true)] {
             let mut p = Payoff::default();
-            for i in 0..2 * WINDOW_BYTES as usize / PAGE {
+            for i in 0..2 * WINDOW_BYTES as usize / PAGE_SIZE {
                 if i % 8 == 0 {
-                    p.record(1e-6, PAGE, PAGE / 2, bw);
+                    p.record(1e-6, PAGE_SIZE, PAGE_SIZE / 2, bw);
                 } else {
-                    p.record_untimed(PAGE, PAGE / 2, bw);
+                    p.record_untimed(PAGE_SIZE, PAGE_SIZE / 2, bw);
                 }
             }
             assert_eq!(p.is_on(), pays, "bandwidth {bw}");
@@ -672,7 +672,7 @@ mod tests {
         let list: CodecList = "rle".parse().unwrap();
         let mut enc = PageEncoder::new(&list);
         enc.set_bandwidth(1e15); // nothing pays at a petabyte per second
-        let page = [0u8; PAGE];
+        let page = [0u8; PAGE_SIZE];
         let mut out = Vec::new();
         let mut raw = 0;
         for i in 0..10_000 {
@@ -700,11 +700,11 @@ mod tests {
     fn decode_accepts_raw_and_zero_records_and_rejects_others() {
         let list: CodecList = "zero,xbzrle=16K".parse().unwrap();
         let mut dec = PageDecoder::new(&list);
-        let mut out = [1u8; PAGE];
+        let mut out = [1u8; PAGE_SIZE];
         dec.decode(1, TAG_ZERO, &[], &mut out).unwrap();
-        assert_eq!(out, [0u8; PAGE]);
-        dec.decode(1, TAG_RAW, &[7; PAGE], &mut out).unwrap();
-        assert_eq!(dec.xbzrle.as_ref().unwrap().cache.peek(1), Some(&[7; PAGE]));
+        assert_eq!(out, [0u8; PAGE_SIZE]);
+        dec.decode(1, TAG_RAW, &[7; PAGE_SIZE], &mut out).unwrap();
+        assert_eq!(dec.xbzrle.as_ref().unwrap().cache.peek(1), Some(&[7; PAGE_SIZE]));
         assert!(dec.decode(1, TAG_RAW, &[7; 100], &mut out).is_err());
         assert!(dec.decode(1, TAG_ZERO, &[0], &mut out).is_err());
         let e = dec.decode(17, TAG_DEDUP, &[], &mut out).unwrap_err();

@@ -14,13 +14,13 @@ use serde::Serialize;
 
 use crate::error::CodecError;
 use crate::superfasthash::superfasthash_many;
-use crate::{DecodePage, EncodePage, Encoded, PAGE, TAG_DEDUP};
+use crate::{DecodePage, EncodePage, Encoded, PAGE_SIZE, TAG_DEDUP};
 
 /// Bytes per chunk.
 pub const CHUNK: usize = 256;
-const CHUNKS: usize = PAGE / CHUNK;
+const CHUNKS: usize = PAGE_SIZE / CHUNK;
 /// Longest record (no chunk found in the cache).
-pub const MAX_RECORD: usize = 2 + PAGE;
+pub const MAX_RECORD: usize = 2 + PAGE_SIZE;
 
 /// Chunk cache counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -110,7 +110,7 @@ impl ChunkCache {
     }
 }
 
-fn chunks(page: &[u8; PAGE]) -> [&[u8; CHUNK]; CHUNKS] {
+fn chunks(page: &[u8; PAGE_SIZE]) -> [&[u8; CHUNK]; CHUNKS] {
     std::array::from_fn(|i| (&page[i * CHUNK..(i + 1) * CHUNK]).try_into().unwrap())
 }
 
@@ -129,7 +129,7 @@ impl DedupEncoder {
 
     /// Encodes `page` into `out` (cleared first; at most [`MAX_RECORD`]
     /// bytes); returns how many chunks became references.
-    pub fn encode(&mut self, page: &[u8; PAGE], out: &mut Vec<u8>) -> usize {
+    pub fn encode(&mut self, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> usize {
         let chunks = chunks(page);
         const STARTS: [usize; CHUNKS] = {
             let mut s = [0; CHUNKS];
@@ -179,7 +179,7 @@ impl DedupDecoder {
     }
 
     /// Decodes a record of page `index` into `out`.
-    pub fn decode(&mut self, index: u64, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    pub fn decode(&mut self, index: u64, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         let head = input.get(..2).ok_or(CodecError::Truncated { codec: "dedup", page: index })?;
         let refs = u16::from_le_bytes(head.try_into().unwrap());
         let n_refs = refs.count_ones() as usize;
@@ -234,14 +234,14 @@ impl DedupDecoder {
 
 impl EncodePage for DedupEncoder {
     /// Dedup alone: always a record (at most 2 bytes over the page).
-    fn encode(&mut self, _index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded {
+    fn encode(&mut self, _index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded {
         DedupEncoder::encode(self, page, out);
         Encoded::Record(TAG_DEDUP)
     }
 }
 
 impl DecodePage for DedupDecoder {
-    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         match tag {
             TAG_DEDUP => DedupDecoder::decode(self, index, input, out),
             _ => Err(CodecError::UnknownTag { tag, page: index }),
@@ -257,14 +257,14 @@ mod tests {
     fn repeated_chunks_become_references() {
         let mut enc = DedupEncoder::new(1 << 20);
         let mut dec = DedupDecoder::new(1 << 20);
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         for (i, b) in page.iter_mut().enumerate() {
             *b = (i / CHUNK % 4) as u8; // 4 distinct chunks, each 4 times
         }
         let mut out = Vec::new();
         assert_eq!(enc.encode(&page, &mut out), 12);
         assert_eq!(out.len(), 2 + 4 * CHUNK + 12 * 4);
-        let mut back = [9u8; PAGE];
+        let mut back = [9u8; PAGE_SIZE];
         dec.decode(0, &out, &mut back).unwrap();
         assert_eq!(back, page);
         // A second identical page is all references.
@@ -280,7 +280,7 @@ mod tests {
     fn a_hash_collision_is_not_a_hit() {
         // One set: every chunk lands in it; only equal bytes may match.
         let mut enc = DedupEncoder::new(2 * CHUNK);
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         for (i, b) in page.iter_mut().enumerate() {
             *b = (i / CHUNK) as u8;
         }
@@ -293,7 +293,7 @@ mod tests {
     #[test]
     fn hostile_records_fail_cleanly() {
         let mut dec = DedupDecoder::new(1 << 16);
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         let all_refs = |slot: u32| {
             let mut r = vec![0xFF, 0xFF];
             for _ in 0..16 {

@@ -31,7 +31,7 @@ pub use chooser::{Codec, CodecList, CodecStats, PageDecoder, PageEncoder, StatsT
 pub use error::CodecError;
 
 /// Bytes per page.
-pub const PAGE: usize = 4096;
+pub const PAGE_SIZE: usize = 4096;
 
 /// Record tag: the page as it is (4096 bytes).
 pub const TAG_RAW: u8 = 0;
@@ -72,9 +72,9 @@ impl Encoded {
 pub trait EncodePage {
     /// Encodes page `index`; a record's bytes go into `out` (cleared
     /// first, reused across calls).
-    fn encode(&mut self, index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded;
+    fn encode(&mut self, index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded;
     /// The caller sent this page raw without `encode` (a repair, say).
-    fn observe_raw(&mut self, _index: u64, _page: &[u8; PAGE]) {}
+    fn observe_raw(&mut self, _index: u64, _page: &[u8; PAGE_SIZE]) {}
     /// The caller sent this page as a zero record without `encode`.
     fn observe_zero(&mut self, _index: u64) {}
 }
@@ -83,9 +83,9 @@ pub trait EncodePage {
 /// caller's, but it must report them here in stream order.
 pub trait DecodePage {
     /// Decodes a record with `tag` of page `index` into `out`.
-    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError>;
+    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError>;
     /// A raw page arrived.
-    fn observe(&mut self, _index: u64, _page: &[u8; PAGE]) {}
+    fn observe(&mut self, _index: u64, _page: &[u8; PAGE_SIZE]) {}
     /// A zero record arrived.
     fn observe_zero(&mut self, _index: u64) {}
 }

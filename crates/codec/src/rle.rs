@@ -14,18 +14,18 @@
 //! or `n << 1` followed by n little-endian u64 differences; 1 <= n <= 512.
 
 use crate::error::CodecError;
-use crate::{varint, DecodePage, EncodePage, Encoded, PAGE, TAG_RLE};
+use crate::{varint, DecodePage, EncodePage, Encoded, PAGE_SIZE, TAG_RLE};
 
-const WORDS: usize = PAGE / 8;
+const WORDS: usize = PAGE_SIZE / 8;
 
 #[inline(always)]
-fn word(page: &[u8; PAGE], i: usize) -> u64 {
+fn word(page: &[u8; PAGE_SIZE], i: usize) -> u64 {
     u64::from_le_bytes(page[i * 8..i * 8 + 8].try_into().unwrap())
 }
 
 /// Encodes `page` into `out` (cleared first). False when the record would
 /// not be smaller than the page (the overflow case): send it raw.
-pub fn encode(page: &[u8; PAGE], out: &mut Vec<u8>) -> bool {
+pub fn encode(page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> bool {
     out.clear();
     let mut prev = 0u64;
     let mut i = 0;
@@ -49,7 +49,7 @@ pub fn encode(page: &[u8; PAGE], out: &mut Vec<u8>) -> bool {
             i += 1;
         }
         let token = (i - lit_start) << 1;
-        if out.len() + varint::len(token) + (i - lit_start) * 8 >= PAGE {
+        if out.len() + varint::len(token) + (i - lit_start) * 8 >= PAGE_SIZE {
             return false;
         }
         varint::put(out, token);
@@ -59,11 +59,11 @@ pub fn encode(page: &[u8; PAGE], out: &mut Vec<u8>) -> bool {
             prev = w;
         }
     }
-    out.len() < PAGE
+    out.len() < PAGE_SIZE
 }
 
 /// Decodes a record of page `index` into `page`.
-pub fn decode(input: &[u8], index: u64, page: &mut [u8; PAGE]) -> Result<(), CodecError> {
+pub fn decode(input: &[u8], index: u64, page: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
     let truncated = || CodecError::Truncated { codec: "rle", page: index };
     let mut pos = 0;
     let mut i = 0;
@@ -104,7 +104,7 @@ pub fn decode(input: &[u8], index: u64, page: &mut [u8; PAGE]) -> Result<(), Cod
 pub struct RleCodec;
 
 impl EncodePage for RleCodec {
-    fn encode(&mut self, _index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded {
+    fn encode(&mut self, _index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded {
         if encode(page, out) {
             Encoded::Record(TAG_RLE)
         } else {
@@ -114,7 +114,7 @@ impl EncodePage for RleCodec {
 }
 
 impl DecodePage for RleCodec {
-    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         match tag {
             TAG_RLE => decode(input, index, out),
             _ => Err(CodecError::UnknownTag { tag, page: index }),
@@ -128,7 +128,7 @@ mod tests {
 
     #[test]
     fn runs_and_sequences_compress_and_round_trip() {
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         let mut out = Vec::new();
         assert!(encode(&page, &mut out));
         assert_eq!(out, [0x81, 0x08], "one zero run of 512 words: varint(1025)");
@@ -137,7 +137,7 @@ mod tests {
         }
         assert!(encode(&page, &mut out));
         assert!(out.len() < 80, "{}", out.len());
-        let mut back = [0xAAu8; PAGE];
+        let mut back = [0xAAu8; PAGE_SIZE];
         decode(&out, 0, &mut back).unwrap();
         assert_eq!(back, page);
         // An arithmetic sequence has equal, not zero, differences: GM-RLE
@@ -155,7 +155,7 @@ mod tests {
 
     #[test]
     fn random_pages_overflow() {
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         let mut x = 1u64;
         for b in page.iter_mut() {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -166,7 +166,7 @@ mod tests {
 
     #[test]
     fn hostile_records_fail_cleanly() {
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         let e = decode(&[], 17, &mut page).unwrap_err();
         assert_eq!(e.to_string(), "rle record for page 17 is truncated");
         assert!(decode(&[0x80], 1, &mut page).is_err());

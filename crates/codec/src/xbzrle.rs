@@ -18,7 +18,7 @@
 use serde::Serialize;
 
 use crate::error::CodecError;
-use crate::{varint, DecodePage, EncodePage, Encoded, PAGE, TAG_XBZRLE};
+use crate::{varint, DecodePage, EncodePage, Encoded, PAGE_SIZE, TAG_XBZRLE};
 
 /// Cache counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -32,6 +32,9 @@ pub struct CacheStats {
 }
 
 const EMPTY: u64 = u64::MAX;
+
+/// Longest record sent: a delta that would take a whole page goes raw.
+pub const MAX_RECORD: usize = PAGE_SIZE - 1;
 
 /// The page cache both ends keep.
 #[derive(Clone)]
@@ -50,12 +53,12 @@ impl PageCache {
     /// A cache of about `bytes` (at least two pages). The data is one
     /// zeroed allocation, which the OS backs only as pages arrive.
     pub fn new(bytes: usize) -> PageCache {
-        let sets = largest_prime_at_most(bytes / PAGE / 2);
+        let sets = largest_prime_at_most(bytes / PAGE_SIZE / 2);
         PageCache {
             sets,
             tags: vec![EMPTY; sets * 2],
             lru: vec![0; sets],
-            data: vec![0u8; sets * 2 * PAGE],
+            data: vec![0u8; sets * 2 * PAGE_SIZE],
             stats: CacheStats::default(),
         }
     }
@@ -87,7 +90,7 @@ impl PageCache {
     }
 
     /// Puts `page` in its set's least recently used way.
-    fn insert(&mut self, page: u64, contents: &[u8; PAGE]) {
+    fn insert(&mut self, page: u64, contents: &[u8; PAGE_SIZE]) {
         let set = self.set_of(page);
         let way = self.lru[set] as usize;
         let slot = set * 2 + way;
@@ -99,17 +102,17 @@ impl PageCache {
         self.slot_mut(slot).copy_from_slice(contents);
     }
 
-    fn slot_mut(&mut self, slot: usize) -> &mut [u8; PAGE] {
-        (&mut self.data[slot * PAGE..(slot + 1) * PAGE]).try_into().unwrap()
+    fn slot_mut(&mut self, slot: usize) -> &mut [u8; PAGE_SIZE] {
+        (&mut self.data[slot * PAGE_SIZE..(slot + 1) * PAGE_SIZE]).try_into().unwrap()
     }
 
     /// The cached copy of `page`, without marking it used.
-    pub fn peek(&self, page: u64) -> Option<&[u8; PAGE]> {
+    pub fn peek(&self, page: u64) -> Option<&[u8; PAGE_SIZE]> {
         let set = self.set_of(page);
         (0..2)
             .map(|way| set * 2 + way)
             .find(|&slot| self.tags[slot] == page)
-            .map(|slot| (&self.data[slot * PAGE..(slot + 1) * PAGE]).try_into().unwrap())
+            .map(|slot| (&self.data[slot * PAGE_SIZE..(slot + 1) * PAGE_SIZE]).try_into().unwrap())
     }
 
     /// True when both caches hold the same pages, contents and LRU state.
@@ -118,7 +121,7 @@ impl PageCache {
     }
 
     /// A non-zero page that was sent another way: update or insert.
-    fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         match self.lookup(index) {
             Some(slot) => self.slot_mut(slot).copy_from_slice(page),
             None => self.insert(index, page),
@@ -144,9 +147,9 @@ fn largest_prime_at_most(n: usize) -> usize {
 }
 
 /// Per 64-byte line of the page, bit i set when byte i differs.
-type Masks = [u64; PAGE / 64];
+type Masks = [u64; PAGE_SIZE / 64];
 
-fn diff_masks(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
+fn diff_masks(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], masks: &mut Masks) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512bw") {
@@ -161,7 +164,7 @@ fn diff_masks(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
     diff_masks_portable(old, new, masks)
 }
 
-fn diff_masks_portable(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
+fn diff_masks_portable(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], masks: &mut Masks) {
     const LOW7: u64 = 0x7F7F_7F7F_7F7F_7F7F;
     for ((m, a), b) in masks.iter_mut().zip(old.chunks_exact(64)).zip(new.chunks_exact(64)) {
         let mut bits = 0u64;
@@ -178,11 +181,11 @@ fn diff_masks_portable(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Masks, PAGE};
+    use super::{Masks, PAGE_SIZE};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn diff_masks_avx512(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
+    pub(super) fn diff_masks_avx512(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], masks: &mut Masks) {
         let (a, b) = (old.as_ptr().cast::<__m512i>(), new.as_ptr().cast::<__m512i>());
         for (line, m) in masks.iter_mut().enumerate() {
             // SAFETY: line < 64, so both 64-byte reads lie inside their
@@ -193,7 +196,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) fn diff_masks_avx2(old: &[u8; PAGE], new: &[u8; PAGE], masks: &mut Masks) {
+    pub(super) fn diff_masks_avx2(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], masks: &mut Masks) {
         let (a, b) = (old.as_ptr().cast::<__m256i>(), new.as_ptr().cast::<__m256i>());
         for (line, m) in masks.iter_mut().enumerate() {
             // SAFETY: line < 64, so the 32-byte reads at 2*line and
@@ -212,12 +215,12 @@ mod x86 {
 }
 
 /// The first byte at or after `pos` whose "differs" bit is `!flip`'s
-/// (flip = 0: first differing byte; flip = !0: first equal byte), or PAGE.
+/// (flip = 0: first differing byte; flip = !0: first equal byte), or PAGE_SIZE.
 #[inline]
 fn next(masks: &Masks, pos: usize, flip: u64) -> usize {
     let mut line = pos / 64;
     if line >= masks.len() {
-        return PAGE;
+        return PAGE_SIZE;
     }
     let mut m = (masks[line] ^ flip) & (!0u64 << (pos % 64));
     loop {
@@ -226,7 +229,7 @@ fn next(masks: &Masks, pos: usize, flip: u64) -> usize {
         }
         line += 1;
         if line == masks.len() {
-            return PAGE;
+            return PAGE_SIZE;
         }
         m = masks[line] ^ flip;
     }
@@ -238,14 +241,20 @@ const SAME: u64 = !0;
 /// Writes the record for `new` against the cached `slot` into `out` and
 /// brings `slot` up to `new` where they differ. False (and nothing useful
 /// in `out`, `slot` partly updated) once the record would pass `limit`.
-fn encode_runs(masks: &Masks, slot: &mut [u8; PAGE], new: &[u8; PAGE], out: &mut Vec<u8>, limit: usize) -> bool {
+fn encode_runs(
+    masks: &Masks,
+    slot: &mut [u8; PAGE_SIZE],
+    new: &[u8; PAGE_SIZE],
+    out: &mut Vec<u8>,
+    limit: usize,
+) -> bool {
     out.clear();
     let mut done = 0;
     let mut start = next(masks, 0, DIFF);
-    while start < PAGE {
+    while start < PAGE_SIZE {
         let mut end = next(masks, start, SAME);
         let mut following = next(masks, end, DIFF);
-        while following < PAGE && following - end <= 2 {
+        while following < PAGE_SIZE && following - end <= 2 {
             end = next(masks, following, SAME);
             following = next(masks, end, DIFF);
         }
@@ -266,8 +275,8 @@ fn encode_runs(masks: &Masks, slot: &mut [u8; PAGE], new: &[u8; PAGE], out: &mut
 /// Encodes `new` against `old` into `out` (cleared first); false when the
 /// record would be longer than `limit`. The cache-free form, for tests and
 /// benchmarks.
-pub fn encode_delta(old: &[u8; PAGE], new: &[u8; PAGE], out: &mut Vec<u8>, limit: usize) -> bool {
-    let mut masks = [0u64; PAGE / 64];
+pub fn encode_delta(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE], out: &mut Vec<u8>, limit: usize) -> bool {
+    let mut masks = [0u64; PAGE_SIZE / 64];
     diff_masks(old, new, &mut masks);
     let mut scratch = *old;
     encode_runs(&masks, &mut scratch, new, out, limit)
@@ -275,7 +284,7 @@ pub fn encode_delta(old: &[u8; PAGE], new: &[u8; PAGE], out: &mut Vec<u8>, limit
 
 /// Applies a delta record of page `index` to `page` (which holds the old
 /// contents). On error `page` may be partly updated.
-pub fn decode_delta(input: &[u8], index: u64, page: &mut [u8; PAGE]) -> Result<(), CodecError> {
+pub fn decode_delta(input: &[u8], index: u64, page: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
     let truncated = || CodecError::Truncated { codec: "xbzrle", page: index };
     let mut pos = 0;
     let mut offset = 0;
@@ -288,7 +297,7 @@ pub fn decode_delta(input: &[u8], index: u64, page: &mut [u8; PAGE]) -> Result<(
         // Both are below 2^21 (3-byte varints): no overflow.
         let start = offset + unchanged;
         let end = start + literal;
-        if end > PAGE {
+        if end > PAGE_SIZE {
             return Err(CodecError::Overrun { codec: "xbzrle", page: index, offset: end });
         }
         let bytes = input.get(pos..pos + literal).ok_or_else(truncated)?;
@@ -326,15 +335,15 @@ impl XbzrleEncoder {
 
     /// Tries to encode `page` into `out`; the cache ends up holding it
     /// either way. A record is always shorter than a page.
-    pub fn encode(&mut self, index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Outcome {
+    pub fn encode(&mut self, index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Outcome {
         let Some(slot) = self.cache.lookup(index) else {
             self.cache.insert(index, page);
             return Outcome::Miss;
         };
-        let mut masks = [0u64; PAGE / 64];
+        let mut masks = [0u64; PAGE_SIZE / 64];
         let cached = self.cache.slot_mut(slot);
         diff_masks(cached, page, &mut masks);
-        if encode_runs(&masks, cached, page, out, PAGE - 1) {
+        if encode_runs(&masks, cached, page, out, MAX_RECORD) {
             Outcome::Encoded
         } else {
             cached.copy_from_slice(page);
@@ -344,7 +353,7 @@ impl XbzrleEncoder {
 
     /// A non-zero page sent another way without `encode`: update or insert,
     /// exactly as the decoder's `observe` will.
-    pub fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    pub fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.cache.observe(index, page);
     }
 
@@ -368,7 +377,7 @@ impl XbzrleDecoder {
     }
 
     /// Decodes an XBZRLE record of page `index` into `out`.
-    pub fn decode(&mut self, index: u64, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    pub fn decode(&mut self, index: u64, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         let slot = self.cache.lookup(index).ok_or(CodecError::CacheMiss { codec: "xbzrle", page: index })?;
         let cached = self.cache.slot_mut(slot);
         decode_delta(input, index, cached)?;
@@ -378,7 +387,7 @@ impl XbzrleDecoder {
 
     /// A non-zero page that arrived another way: mirror the encoder's
     /// update or insert.
-    pub fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    pub fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.cache.observe(index, page);
     }
 
@@ -390,14 +399,14 @@ impl XbzrleDecoder {
 
 impl EncodePage for XbzrleEncoder {
     /// XBZRLE alone: a record on a hit, else the page raw.
-    fn encode(&mut self, index: u64, page: &[u8; PAGE], out: &mut Vec<u8>) -> Encoded {
+    fn encode(&mut self, index: u64, page: &[u8; PAGE_SIZE], out: &mut Vec<u8>) -> Encoded {
         match XbzrleEncoder::encode(self, index, page, out) {
             Outcome::Encoded => Encoded::Record(TAG_XBZRLE),
             Outcome::Overflow | Outcome::Miss => Encoded::Raw,
         }
     }
 
-    fn observe_raw(&mut self, index: u64, page: &[u8; PAGE]) {
+    fn observe_raw(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.observe(index, page);
     }
 
@@ -407,14 +416,14 @@ impl EncodePage for XbzrleEncoder {
 }
 
 impl DecodePage for XbzrleDecoder {
-    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    fn decode(&mut self, index: u64, tag: u8, input: &[u8], out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         match tag {
             TAG_XBZRLE => XbzrleDecoder::decode(self, index, input, out),
             _ => Err(CodecError::UnknownTag { tag, page: index }),
         }
     }
 
-    fn observe(&mut self, index: u64, page: &[u8; PAGE]) {
+    fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         XbzrleDecoder::observe(self, index, page);
     }
 
@@ -427,11 +436,11 @@ impl DecodePage for XbzrleDecoder {
 mod tests {
     use super::*;
 
-    const DEFAULT_SETS: usize = (512 << 20) / PAGE / 2;
+    const DEFAULT_SETS: usize = (512 << 20) / PAGE_SIZE / 2;
 
-    fn noise(seed: u64) -> [u8; PAGE] {
+    fn noise(seed: u64) -> [u8; PAGE_SIZE] {
         let mut x = seed | 1;
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         for b in page.iter_mut() {
             x ^= x << 13;
             x ^= x >> 7;
@@ -445,7 +454,7 @@ mod tests {
     fn every_mask_implementation_agrees() {
         let old = noise(1);
         let mut new = old;
-        for i in (0..PAGE).step_by(37) {
+        for i in (0..PAGE_SIZE).step_by(37) {
             new[i] ^= 0x40;
         }
         new[4095] ^= 1;
@@ -471,7 +480,7 @@ mod tests {
         let mut enc = XbzrleEncoder::new(1 << 20);
         let mut dec = XbzrleDecoder::new(1 << 20);
         let mut out = Vec::new();
-        let mut page = [7u8; PAGE];
+        let mut page = [7u8; PAGE_SIZE];
         assert_eq!(enc.encode(3, &page, &mut out), Outcome::Miss);
         dec.observe(3, &page);
         assert_eq!(enc.encode(3, &page, &mut out), Outcome::Encoded);
@@ -481,7 +490,7 @@ mod tests {
         page[2010] = 0; // a 2-byte gap joins the literal
         assert_eq!(enc.encode(3, &page, &mut out), Outcome::Encoded);
         assert_eq!(out.len(), (1 + 1 + 1) + (2 + 1 + 11), "{out:?}");
-        let mut back = [0u8; PAGE];
+        let mut back = [0u8; PAGE_SIZE];
         dec.decode(3, &[], &mut back).unwrap();
         dec.decode(3, &out, &mut back).unwrap();
         assert_eq!(back, page);
@@ -501,15 +510,15 @@ mod tests {
 
     #[test]
     fn two_ways_and_lru_eviction_match_on_both_ends() {
-        let mut enc = XbzrleEncoder::new(2 * PAGE); // one set, two ways
-        let mut dec = XbzrleDecoder::new(2 * PAGE);
+        let mut enc = XbzrleEncoder::new(2 * PAGE_SIZE); // one set, two ways
+        let mut dec = XbzrleDecoder::new(2 * PAGE_SIZE);
         let mut out = Vec::new();
         for index in [1u64, 2, 1, 3] {
-            let page = [index as u8; PAGE];
+            let page = [index as u8; PAGE_SIZE];
             if enc.encode(index, &page, &mut out) != Outcome::Encoded {
                 dec.observe(index, &page);
             } else {
-                let mut back = [0u8; PAGE];
+                let mut back = [0u8; PAGE_SIZE];
                 dec.decode(index, &out, &mut back).unwrap();
             }
         }
@@ -524,9 +533,9 @@ mod tests {
         // A cache as large as memory keeps nearly every page (2039 sets,
         // the largest prime in 2048: 18 sets get a third page).
         for stride in [1u64, 2, 3, 4, 8] {
-            let mut cache = PageCache::new(4096 * PAGE);
+            let mut cache = PageCache::new(4096 * PAGE_SIZE);
             for p in 0..4096u64 {
-                cache.insert(p * stride, &[0; PAGE]);
+                cache.insert(p * stride, &[0; PAGE_SIZE]);
             }
             assert_eq!(cache.stats.evictions, 18, "stride {stride}");
         }
@@ -536,7 +545,7 @@ mod tests {
 
     #[test]
     fn hostile_records_fail_cleanly() {
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         assert!(decode_delta(&[0x80], 1, &mut page).is_err());
         assert!(decode_delta(&[0, 5, 1, 2], 1, &mut page).is_err());
         let e = decode_delta(&[0xFF, 0x1F, 5, 1, 2, 3, 4, 5], 17, &mut page).unwrap_err();

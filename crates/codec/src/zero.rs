@@ -5,7 +5,7 @@
 //! words otherwise. A branch per block keeps the loop tight and still lets
 //! a non-zero page, the common case, stop after its first block.
 
-use crate::{CodecError, DecodePage, EncodePage, Encoded, PAGE};
+use crate::{CodecError, DecodePage, EncodePage, Encoded, PAGE_SIZE};
 
 const BLOCK: usize = 512;
 
@@ -36,13 +36,13 @@ pub fn detected() -> ZeroImpl {
 
 /// True when every byte of the page is zero.
 #[inline]
-pub fn is_zero(page: &[u8; PAGE]) -> bool {
+pub fn is_zero(page: &[u8; PAGE_SIZE]) -> bool {
     is_zero_with(detected(), page)
 }
 
 /// [`is_zero`] with a chosen implementation, for tests and benchmarks. An
 /// implementation the CPU lacks falls back to the portable one.
-pub fn is_zero_with(imp: ZeroImpl, page: &[u8; PAGE]) -> bool {
+pub fn is_zero_with(imp: ZeroImpl, page: &[u8; PAGE_SIZE]) -> bool {
     #[cfg(target_arch = "x86_64")]
     match imp {
         ZeroImpl::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
@@ -60,7 +60,7 @@ pub fn is_zero_with(imp: ZeroImpl, page: &[u8; PAGE]) -> bool {
 }
 
 /// The portable version: 64-bit words OR-reduced per block.
-pub fn is_zero_portable(page: &[u8; PAGE]) -> bool {
+pub fn is_zero_portable(page: &[u8; PAGE_SIZE]) -> bool {
     page.chunks_exact(BLOCK)
         .all(|block| block.chunks_exact(8).fold(0u64, |acc, w| acc | u64::from_ne_bytes(w.try_into().unwrap())) == 0)
 }
@@ -70,7 +70,7 @@ pub fn is_zero_portable(page: &[u8; PAGE]) -> bool {
 pub struct ZeroCodec;
 
 impl EncodePage for ZeroCodec {
-    fn encode(&mut self, _index: u64, page: &[u8; PAGE], _out: &mut Vec<u8>) -> Encoded {
+    fn encode(&mut self, _index: u64, page: &[u8; PAGE_SIZE], _out: &mut Vec<u8>) -> Encoded {
         if is_zero(page) {
             Encoded::Zero
         } else {
@@ -80,20 +80,20 @@ impl EncodePage for ZeroCodec {
 }
 
 impl DecodePage for ZeroCodec {
-    fn decode(&mut self, index: u64, tag: u8, _input: &[u8], _out: &mut [u8; PAGE]) -> Result<(), CodecError> {
+    fn decode(&mut self, index: u64, tag: u8, _input: &[u8], _out: &mut [u8; PAGE_SIZE]) -> Result<(), CodecError> {
         Err(CodecError::UnknownTag { tag, page: index })
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{BLOCK, PAGE};
+    use super::{BLOCK, PAGE_SIZE};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f")]
-    pub(super) fn is_zero_avx512(page: &[u8; PAGE]) -> bool {
+    pub(super) fn is_zero_avx512(page: &[u8; PAGE_SIZE]) -> bool {
         let p = page.as_ptr().cast::<__m512i>();
-        for block in 0..PAGE / BLOCK {
+        for block in 0..PAGE_SIZE / BLOCK {
             let mut acc = _mm512_setzero_si512();
             for line in 0..BLOCK / 64 {
                 // SAFETY: block * 8 + line < 64, so the 64 bytes read lie
@@ -108,9 +108,9 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) fn is_zero_avx2(page: &[u8; PAGE]) -> bool {
+    pub(super) fn is_zero_avx2(page: &[u8; PAGE_SIZE]) -> bool {
         let p = page.as_ptr().cast::<__m256i>();
-        for block in 0..PAGE / BLOCK {
+        for block in 0..PAGE_SIZE / BLOCK {
             let mut acc = _mm256_setzero_si256();
             for half in 0..BLOCK / 32 {
                 // SAFETY: block * 16 + half < 128, so the 32 bytes read lie
@@ -131,10 +131,10 @@ mod tests {
 
     #[test]
     fn every_byte_and_bit_counts_in_every_implementation() {
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         for imp in [ZeroImpl::Avx512, ZeroImpl::Avx2, ZeroImpl::Portable] {
             assert!(is_zero_with(imp, &page), "{imp:?}");
-            for i in 0..PAGE {
+            for i in 0..PAGE_SIZE {
                 page[i] = 1 << (i % 8);
                 assert!(!is_zero_with(imp, &page), "{imp:?} byte {i}");
                 page[i] = 0;

@@ -11,13 +11,13 @@ use tsubame_codec::dedup::{DedupDecoder, DedupEncoder};
 use tsubame_codec::rle::{self, RleCodec};
 use tsubame_codec::xbzrle::{XbzrleDecoder, XbzrleEncoder};
 use tsubame_codec::zero::ZeroCodec;
-use tsubame_codec::{CodecList, DecodePage, EncodePage, Encoded, PageDecoder, PageEncoder, PAGE};
+use tsubame_codec::{CodecList, DecodePage, EncodePage, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 
 /// Pages the sequences touch (more than the smallest caches hold).
 const PAGES: usize = 6;
 
 /// How a page changes from one step to the next.
-fn mutate(page: &mut [u8; PAGE], kind: u8, seed: u64) {
+fn mutate(page: &mut [u8; PAGE_SIZE], kind: u8, seed: u64) {
     let mut x = seed | 1;
     let mut next = || {
         x ^= x << 13;
@@ -30,7 +30,7 @@ fn mutate(page: &mut [u8; PAGE], kind: u8, seed: u64) {
         1 => page.fill(0),
         2 => {
             for _ in 0..1 + next() % 8 {
-                let i = next() as usize % PAGE;
+                let i = next() as usize % PAGE_SIZE;
                 page[i] = next() as u8;
             }
         }
@@ -60,25 +60,25 @@ fn round_trip<E: EncodePage, D: DecodePage>(
     in_sync: impl Fn(&E, &D) -> bool,
     steps: &[(u8, u8, u64)],
 ) -> Result<(), TestCaseError> {
-    let mut pages = [[0u8; PAGE]; PAGES];
+    let mut pages = [[0u8; PAGE_SIZE]; PAGES];
     let mut out = Vec::new();
     for &(which, kind, seed) in steps {
         let index = u64::from(which) % PAGES as u64;
         let page = &mut pages[index as usize];
         mutate(page, kind, seed);
-        let mut back = [0x55u8; PAGE];
+        let mut back = [0x55u8; PAGE_SIZE];
         match enc.encode(index, page, &mut out) {
             Encoded::Zero => {
                 prop_assert!(page.iter().all(|&b| b == 0), "zero record for a non-zero page");
                 dec.observe_zero(index);
-                back = [0u8; PAGE];
+                back = [0u8; PAGE_SIZE];
             }
             Encoded::Raw => {
                 back = *page;
                 dec.observe(index, &back);
             }
             Encoded::Record(tag) => {
-                prop_assert!(out.len() <= PAGE + 2, "record of {} bytes", out.len());
+                prop_assert!(out.len() <= PAGE_SIZE + 2, "record of {} bytes", out.len());
                 dec.decode(index, tag, &out, &mut back).map_err(|e| TestCaseError::fail(e.to_string()))?;
             }
         }
@@ -104,7 +104,7 @@ proptest! {
     #[test]
     fn xbzrle_round_trips(steps in steps(), pages in 2usize..8) {
         // Small caches, so ways get evicted.
-        let (mut e, mut d) = (XbzrleEncoder::new(pages * PAGE), XbzrleDecoder::new(pages * PAGE));
+        let (mut e, mut d) = (XbzrleEncoder::new(pages * PAGE_SIZE), XbzrleDecoder::new(pages * PAGE_SIZE));
         round_trip(&mut e, &mut d, |e, d| e.cache.same_state(&d.cache), &steps)?;
     }
 
@@ -127,7 +127,7 @@ proptest! {
     #[test]
     fn batches_round_trip(steps in steps(), zstd in any::<bool>()) {
         let codec = if zstd { BatchCodec::Zstd(1) } else { BatchCodec::Lz4 };
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         let mut input = Vec::new();
         for &(_, kind, seed) in &steps {
             mutate(&mut page, kind, seed);
@@ -145,12 +145,12 @@ fn warm_decoder() -> PageDecoder {
     let list: CodecList = "zero,xbzrle=64K,dedup=64K,rle".parse().unwrap();
     let mut enc = PageEncoder::new(&list);
     let mut dec = PageDecoder::new(&list);
-    let mut page = [0u8; PAGE];
+    let mut page = [0u8; PAGE_SIZE];
     let mut out = Vec::new();
     for i in 0..32u64 {
         mutate(&mut page, i as u8, i);
         if let Encoded::Record(tag) = enc.encode(i % 8, &page, &mut out) {
-            let mut back = [0u8; PAGE];
+            let mut back = [0u8; PAGE_SIZE];
             dec.decode(i % 8, tag, &out, &mut back).unwrap();
         } else {
             dec.observe(i % 8, &page);
@@ -164,10 +164,10 @@ proptest! {
 
     #[test]
     fn hostile_records_never_panic(tag in 0u8..8, index in 0u64..16, data in proptest::collection::vec(any::<u8>(), 0..4200)) {
-        let mut out = [0u8; PAGE];
+        let mut out = [0u8; PAGE_SIZE];
         let _ = warm_decoder().decode(index, tag, &data, &mut out);
         let _ = rle::decode(&data, index, &mut out);
-        let _ = XbzrleDecoder::new(8 * PAGE).decode(index, &data, &mut out);
+        let _ = XbzrleDecoder::new(8 * PAGE_SIZE).decode(index, &data, &mut out);
         let _ = tsubame_codec::xbzrle::decode_delta(&data, index, &mut out);
         let _ = DedupDecoder::new(1 << 12).decode(index, &data, &mut out);
     }
@@ -183,7 +183,7 @@ proptest! {
                 data.extend_from_slice(&[fill; 256]);
             }
         }
-        let mut out = [0u8; PAGE];
+        let mut out = [0u8; PAGE_SIZE];
         let _ = warm_decoder().decode(1, tsubame_codec::TAG_DEDUP, &data, &mut out);
     }
 

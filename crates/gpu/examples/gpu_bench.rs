@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE};
+use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::{cuda, Cuda, CudaOptions, EncodedBatch, GpuDecoder, GpuEncoder, WaitPolicy};
 
 /// This process's CPU seconds (user + system), from /proc/self/stat.
@@ -23,8 +23,8 @@ fn cpu_seconds() -> f64 {
 
 fn data(pages: usize, round: u64) -> (Vec<u64>, Vec<u8>) {
     let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ round;
-    let mut out = vec![0u8; pages * PAGE];
-    for (i, p) in out.chunks_exact_mut(PAGE).enumerate() {
+    let mut out = vec![0u8; pages * PAGE_SIZE];
+    for (i, p) in out.chunks_exact_mut(PAGE_SIZE).enumerate() {
         match i % 4 {
             0 => {}
             1 => p
@@ -52,7 +52,7 @@ fn main() {
         return;
     }
     let rounds = 4;
-    let gb = (pages * PAGE * rounds) as f64 / 1e9;
+    let gb = (pages * PAGE_SIZE * rounds) as f64 / 1e9;
     let inputs: Vec<_> = (0..rounds as u64).map(|r| data(pages, r)).collect();
     for spec in ["zero,rle", "zero,xbzrle,rle", "zero,xbzrle,dedup,rle", "dedup"] {
         let list: CodecList = spec.parse().unwrap();
@@ -64,7 +64,7 @@ fn main() {
             let mut b = EncodedBatch::default();
             let mut out = Vec::new();
             for (i, &index) in idx.iter().enumerate() {
-                let page: &[u8; PAGE] = d[i * PAGE..(i + 1) * PAGE].try_into().unwrap();
+                let page: &[u8; PAGE_SIZE] = d[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].try_into().unwrap();
                 match cpu.encode(index, page, &mut out) {
                     Encoded::Zero => b.push(index, 1, &[]),
                     Encoded::Raw => b.push(index, 0, page),
@@ -76,7 +76,7 @@ fn main() {
         let (cpu_enc_s, cpu_enc_cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         let mut cpu_dec = PageDecoder::new(&list);
         let t0 = Instant::now();
-        let mut page = [0u8; PAGE];
+        let mut page = [0u8; PAGE_SIZE];
         for b in &batches {
             for i in 0..b.len() {
                 let (index, tag, rec) = b.record(i);

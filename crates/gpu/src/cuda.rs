@@ -124,7 +124,7 @@ impl Cuda {
                 check("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()))?;
                 functions.insert(k, f);
             }
-            let capacity = options.max_pages.max(1) * (tsubame_codec::PAGE + 64) + 4096;
+            let capacity = options.max_pages.max(1) * (tsubame_codec::PAGE_SIZE + 64) + 4096;
             let mut lanes = Vec::new();
             for _ in 0..options.lanes.max(1) {
                 let mut stream = std::ptr::null_mut();

@@ -9,7 +9,7 @@
 
 use std::collections::HashSet;
 
-use tsubame_codec::{CodecError, CodecList, PAGE, TAG_DEDUP, TAG_RAW, TAG_RLE, TAG_XBZRLE, TAG_ZERO};
+use tsubame_codec::{CodecError, CodecList, PAGE_SIZE, TAG_DEDUP, TAG_RAW, TAG_RLE, TAG_XBZRLE, TAG_ZERO};
 
 use crate::backend::{blocks, Arg, Backend, DevPtr, BLOCK};
 use crate::GpuError;
@@ -96,7 +96,7 @@ pub fn split_unique(indices: &[u64], max: usize) -> Vec<std::ops::Range<usize>> 
 /// The XBZRLE cache's number of sets, as crates/codec (largest prime at
 /// most `bytes / 8192`, 1 for less).
 pub fn xbzrle_sets(bytes: usize) -> usize {
-    let n = bytes / PAGE / 2;
+    let n = bytes / PAGE_SIZE / 2;
     let is_prime = |k: usize| k >= 2 && (2..).take_while(|d| d * d <= k).all(|d| !k.is_multiple_of(d));
     (2..=n).rev().find(|&k| is_prime(k)).unwrap_or(1)
 }
@@ -145,7 +145,7 @@ impl Caches {
             c.xtags = b.alloc(sets * 2 * 8)?;
             fill(b, c.xtags, sets * 4)?; // u64::MAX: empty
             c.xlru = b.alloc(sets)?;
-            c.xdata = b.alloc(sets * 2 * PAGE)?;
+            c.xdata = b.alloc(sets * 2 * PAGE_SIZE)?;
             c.xclaim = b.alloc(sets * 4)?;
             fill(b, c.xclaim, sets)?;
         }
@@ -196,7 +196,7 @@ impl Lane {
         let chunks = max * CHUNKS;
         Ok(Lane {
             // Decoder records go here too: a dedup record is 2 bytes over a page.
-            pages: b.alloc(max * (PAGE + 8))?,
+            pages: b.alloc(max * (PAGE_SIZE + 8))?,
             idx: b.alloc(max * 8)?,
             is_zero: b.alloc(max * 4)?,
             tag: b.alloc(max)?,
@@ -216,7 +216,7 @@ impl Lane {
             dfin: b.alloc(chunks * 4)?,
             rec: b.alloc(max * REC_STRIDE)?,
             off: b.alloc((max + 1) * 8)?,
-            out: b.alloc(max * (PAGE + 8))?,
+            out: b.alloc(max * (PAGE_SIZE + 8))?,
             err: b.alloc(max * 4)?,
             errv: b.alloc(max * 4)?,
         })
@@ -282,7 +282,7 @@ impl<B: Backend> GpuEncoder<B> {
     /// repeats or `max_pages` is reached, keeping up to one sub-batch per
     /// lane in flight so copies and kernels overlap.
     pub fn encode_batch(&mut self, pages: &[u8], indices: &[u64]) -> Result<EncodedBatch, GpuError> {
-        if pages.len() != indices.len() * PAGE {
+        if pages.len() != indices.len() * PAGE_SIZE {
             return Err(GpuError::BadBatch(format!("{} bytes for {} pages", pages.len(), indices.len())));
         }
         let mut all = EncodedBatch { offsets: vec![0], ..Default::default() };
@@ -290,7 +290,7 @@ impl<B: Backend> GpuEncoder<B> {
             if self.queue.len() == self.lanes.len() {
                 all.append(self.finish()?.expect("a batch is in flight"));
             }
-            self.submit(&pages[r.start * PAGE..r.end * PAGE], &indices[r])?;
+            self.submit(&pages[r.start * PAGE_SIZE..r.end * PAGE_SIZE], &indices[r])?;
         }
         while let Some(b) = self.finish()? {
             all.append(b);
@@ -303,7 +303,7 @@ impl<B: Backend> GpuEncoder<B> {
     /// first when every lane is busy.
     pub fn submit(&mut self, pages: &[u8], indices: &[u64]) -> Result<(), GpuError> {
         let n = indices.len();
-        if n == 0 || n > self.max || pages.len() != n * PAGE {
+        if n == 0 || n > self.max || pages.len() != n * PAGE_SIZE {
             return Err(GpuError::BadBatch(format!("{n} pages (1 to {} per submit)", self.max)));
         }
         if split_unique(indices, n).len() != 1 {
@@ -437,9 +437,9 @@ impl<B: Backend> GpuDecoder<B> {
     fn check(&self, index: u64, tag: u8, rec: &[u8]) -> Result<(), CodecError> {
         let unknown = CodecError::UnknownTag { tag, page: index };
         match tag {
-            TAG_RAW if rec.len() < PAGE => Err(CodecError::Truncated { codec: "raw", page: index }),
-            TAG_RAW if rec.len() > PAGE => {
-                Err(CodecError::Trailing { codec: "raw", page: index, extra: rec.len() - PAGE })
+            TAG_RAW if rec.len() < PAGE_SIZE => Err(CodecError::Truncated { codec: "raw", page: index }),
+            TAG_RAW if rec.len() > PAGE_SIZE => {
+                Err(CodecError::Trailing { codec: "raw", page: index, extra: rec.len() - PAGE_SIZE })
             }
             TAG_ZERO if !rec.is_empty() => Err(CodecError::Trailing { codec: "zero", page: index, extra: rec.len() }),
             TAG_RAW | TAG_ZERO => Ok(()),
@@ -463,7 +463,7 @@ impl<B: Backend> GpuDecoder<B> {
 
     /// Decodes every record of `batch` (in order) into pages, back to back.
     pub fn decode_batch(&mut self, batch: &EncodedBatch) -> Result<Vec<u8>, GpuError> {
-        let mut pages = Vec::with_capacity(batch.len() * PAGE);
+        let mut pages = Vec::with_capacity(batch.len() * PAGE_SIZE);
         for r in split_unique(&batch.indices, self.max) {
             self.decode_part(batch, r, &mut pages)?;
         }
@@ -565,7 +565,7 @@ impl<B: Backend> GpuDecoder<B> {
         }
         let err_at = b.download(0, l.err, n * 4)?;
         let errv_at = b.download(0, l.errv, n * 4)?;
-        let out_at = b.download(0, l.out, n * PAGE)?;
+        let out_at = b.download(0, l.out, n * PAGE_SIZE)?;
         b.wait(0)?;
         let word = |at: usize, i: usize| u32::from_le_bytes(b.staged(0, at + 4 * i, 4).try_into().unwrap());
         for i in 0..n {
@@ -575,7 +575,7 @@ impl<B: Backend> GpuDecoder<B> {
                 return Err(gpu_error(code, word(errv_at, i), index, tag).into());
             }
         }
-        pages.extend_from_slice(b.staged(0, out_at, n * PAGE));
+        pages.extend_from_slice(b.staged(0, out_at, n * PAGE_SIZE));
         Ok(())
     }
 }
@@ -615,8 +615,8 @@ mod tests {
     #[test]
     fn cache_geometry_matches_the_cpu_codecs() {
         assert_eq!(xbzrle_sets(512 << 20), 65521);
-        assert_eq!(xbzrle_sets(2 * PAGE), 1);
-        assert_eq!(xbzrle_sets(4096 * PAGE), 2039);
+        assert_eq!(xbzrle_sets(2 * PAGE_SIZE), 1);
+        assert_eq!(xbzrle_sets(4096 * PAGE_SIZE), 2039);
         assert_eq!(dedup_sets(64 << 20), 131072);
         assert_eq!(dedup_sets(100), 1);
     }

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use tsubame_codec::{PageDecoder, PageEncoder, PAGE, TAG_RLE, TAG_XBZRLE};
+use tsubame_codec::{PageDecoder, PageEncoder, PAGE_SIZE, TAG_RLE, TAG_XBZRLE};
 use tsubame_gpu::{kernels, Emulator, GpuDecoder, GpuEncoder, GpuError};
 
 #[test]
@@ -35,8 +35,8 @@ fn emulated_kernels_match_the_cpu_codecs_byte_for_byte() {
             // GPU records decode on the CPU, and on the GPU.
             assert_eq!(cpu_decode(&mut cpu_dec, &got), data, "list {list}: CPU decode");
             let back = gpu_dec.decode_batch(&want).unwrap();
-            if let Some(i) =
-                (0..indices.len()).find(|&i| back[i * PAGE..(i + 1) * PAGE] != data[i * PAGE..(i + 1) * PAGE])
+            if let Some(i) = (0..indices.len())
+                .find(|&i| back[i * PAGE_SIZE..(i + 1) * PAGE_SIZE] != data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE])
             {
                 panic!(
                     "list {list}, round {round}: GPU decode differs at record {i} (page {}, tag {})",
@@ -79,5 +79,5 @@ fn hostile_records_fail_cleanly_on_the_gpu_decoder() {
     (0..16).for_each(|_| refs.extend_from_slice(&u32::MAX.to_le_bytes()));
     assert_eq!(bad(5, &refs), "dedup record for page 17 refers to a cache entry this side does not hold");
     assert_eq!(bad(2, &[]), "page 17 uses codec tag 2, which this stream did not enable");
-    let _ = PAGE;
+    let _ = PAGE_SIZE;
 }

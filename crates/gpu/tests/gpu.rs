@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use tsubame_codec::{PageDecoder, PageEncoder, PAGE};
+use tsubame_codec::{PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::{cuda, Cuda, CudaOptions, GpuDecoder, GpuEncoder, WaitPolicy};
 
 fn gpu(wait: WaitPolicy) -> Option<Cuda> {
@@ -44,5 +44,5 @@ fn gpu_matches_the_cpu_codecs_on_10000_pages() {
             println!("{list} {wait}: {pages} pages identical, round trips ok");
         }
     }
-    let _ = PAGE;
+    let _ = PAGE_SIZE;
 }

@@ -1,7 +1,7 @@
 //! Per-region hashes of guest memory: the source sends them at
 //! stop-and-copy, the destination compares before it says READY.
 
-use tsubame_vmm::{memory, GuestMemory, PAGE_SIZE as PAGE};
+use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Default region size: 256 KiB (32 KiB of hashes per GiB). Small enough
@@ -55,21 +55,16 @@ impl IncrementalDigest {
     }
 
     fn pages_per_region(&self) -> usize {
-        (self.region as usize / PAGE).max(1)
+        (self.region as usize / PAGE_SIZE).max(1)
     }
 
-    /// Marks the pages set in `dirty` (one bit per page).
-    pub fn mark(&mut self, dirty: &[u64]) {
+    /// Marks the pages set in `dirty` to be hashed again.
+    pub fn mark(&mut self, dirty: &DirtyBitmap) {
         let per_region = self.pages_per_region();
-        for (w, &word) in dirty.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let page = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if let Some(mark) = self.stale_pages.get_mut(page) {
-                    *mark = true;
-                    self.stale_regions[page / per_region] = true;
-                }
+        for page in dirty.iter() {
+            if let Some(mark) = self.stale_pages.get_mut(page as usize) {
+                *mark = true;
+                self.stale_regions[page as usize / per_region] = true;
             }
         }
     }
@@ -82,7 +77,7 @@ impl IncrementalDigest {
         // Threads pay only for real work (and a short-lived thread's
         // teardown outlives its scope, which leak checkers flag).
         let stale = self.stale_pages.iter().filter(|&&s| s).count();
-        let threads = if stale * PAGE < MIN_BYTES_PER_THREAD { 1 } else { threads.clamp(1, count.max(1)) };
+        let threads = if stale * PAGE_SIZE < MIN_BYTES_PER_THREAD { 1 } else { threads.clamp(1, count.max(1)) };
         let regions_per_thread = count.div_ceil(threads).max(1);
         let pagemap = memory::Pagemap::open().ok();
         let chunks = self
@@ -137,8 +132,8 @@ impl Slice<'_> {
     /// Hashes the stale pages and their regions; returns the pages hashed.
     fn hash(self, mem: &GuestMemory, pagemap: Option<&memory::Pagemap>) -> usize {
         let per_region = self.per_region;
-        let zero_page = xxh3_64(&[0u8; PAGE]);
-        let mut page = [0u8; PAGE];
+        let zero_page = xxh3_64(&[0u8; PAGE_SIZE]);
+        let mut page = [0u8; PAGE_SIZE];
         let mut populated = vec![true; per_region];
         let mut combined = Vec::with_capacity(per_region * 8);
         let mut n = 0;
@@ -189,7 +184,7 @@ pub struct BackgroundDigest {
 }
 
 enum Request {
-    Mark(Vec<u64>),
+    Mark(DirtyBitmap),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
 }
 
@@ -213,7 +208,7 @@ impl BackgroundDigest {
                     for request in std::iter::once(first).chain(rx.try_iter()) {
                         match request {
                             Request::Mark(pages) => {
-                                taken += crate::pages::count_pages(&pages);
+                                taken += pages.count();
                                 digest.mark(&pages);
                             }
                             Request::Hashes(reply) => waiting.push(reply),
@@ -237,9 +232,9 @@ impl BackgroundDigest {
         self.region
     }
 
-    /// Hands over pages to hash (one bit per page).
-    pub fn mark(&self, pages: Vec<u64>) {
-        self.backlog.fetch_add(crate::pages::count_pages(&pages), std::sync::atomic::Ordering::Relaxed);
+    /// Hands over pages to hash.
+    pub fn mark(&self, pages: DirtyBitmap) {
+        self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages));
     }
 
@@ -267,82 +262,10 @@ impl Drop for BackgroundDigest {
     }
 }
 
-/// Encodes a DIGEST payload: region size, count, hashes.
-pub fn encode(region: u32, hashes: &[u64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 + hashes.len() * 8);
-    out.extend_from_slice(&region.to_le_bytes());
-    out.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
-    for h in hashes {
-        out.extend_from_slice(&h.to_le_bytes());
-    }
-    out
-}
-
-/// Indices of regions whose hashes differ; the payload must describe
-/// `expected_region` and exactly the regions of `ours`.
-pub fn compare(payload: &[u8], expected_region: u32, ours: &[u64]) -> Result<Vec<usize>, crate::wire::WireError> {
-    use crate::wire::{Fields, FrameKind, WireError};
-    let mut f = Fields::new(FrameKind::Digest, payload);
-    let region = f.u32()?;
-    let count = f.u32()? as usize;
-    if region != expected_region {
-        return Err(WireError::BadField {
-            field: "digest.region",
-            detail: format!("{region}, HELLO said {expected_region}"),
-        });
-    }
-    if count != ours.len() {
-        return Err(WireError::BadField {
-            field: "digest.count",
-            detail: format!("{count}, memory has {}", ours.len()),
-        });
-    }
-    let mut mismatched = Vec::new();
-    for (i, &h) in ours.iter().enumerate() {
-        if f.u64()? != h {
-            mismatched.push(i);
-        }
-    }
-    f.finish()?;
-    Ok(mismatched)
-}
-
-/// Most regions a MISMATCH frame may list.
-pub const MAX_MISMATCH: usize = 1 << 20;
-
-/// Encodes a MISMATCH payload: count u32, region indices u32.
-pub fn encode_mismatch(regions: &[usize]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + regions.len() * 4);
-    out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
-    for &r in regions {
-        out.extend_from_slice(&(r as u32).to_le_bytes());
-    }
-    out
-}
-
-/// Decodes a MISMATCH payload; every index must be below `regions`.
-pub fn decode_mismatch(payload: &[u8], regions: usize) -> Result<Vec<u32>, crate::wire::WireError> {
-    use crate::wire::{Fields, FrameKind, WireError};
-    let mut f = Fields::new(FrameKind::Mismatch, payload);
-    let count = f.u32()? as usize;
-    if count == 0 || count > MAX_MISMATCH.min(regions) {
-        return Err(WireError::BadField { field: "mismatch.count", detail: format!("{count} of {regions} regions") });
-    }
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        let r = f.u32()?;
-        if r as usize >= regions {
-            return Err(WireError::BadField { field: "mismatch.region", detail: format!("{r} of {regions}") });
-        }
-        out.push(r);
-    }
-    f.finish()?;
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::messages::{Digest, Mismatch};
 
     #[test]
     fn digest_finds_the_changed_region() {
@@ -351,9 +274,11 @@ mod tests {
         assert_eq!(before.len(), 16);
         memory::write(&mem, 5 * (1 << 20) + 123, &[1]).unwrap();
         let after = memory_digest(&mem, 1 << 20, 2);
-        assert_eq!(compare(&encode(1 << 20, &before), 1 << 20, &after).unwrap(), vec![5]);
-        assert!(compare(&encode(1 << 20, &before[..3]), 1 << 20, &after).is_err());
-        assert!(compare(&encode(1 << 19, &before), 1 << 20, &after).is_err());
+        let sent = Digest { region: 1 << 20, hashes: before.clone() }.encode();
+        assert_eq!(Digest::decode(&sent, 1 << 20, 16).unwrap().differing(&after), vec![5]);
+        let short = Digest { region: 1 << 20, hashes: before[..3].to_vec() }.encode();
+        assert!(Digest::decode(&short, 1 << 20, 16).is_err());
+        assert!(Digest::decode(&Digest { region: 1 << 19, hashes: before }.encode(), 1 << 20, 16).is_err());
     }
 
     #[test]
@@ -363,8 +288,8 @@ mod tests {
         assert!(digest.backlog_pages() <= 4096, "all pages at first, at most");
         assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
         assert_eq!(digest.backlog_pages(), 0);
-        let mut dirty = vec![0u64; 4096 / 64];
-        dirty[0] = 0b1011;
+        let mut dirty = DirtyBitmap::new(4096);
+        [0, 1, 3].into_iter().for_each(|p| dirty.set(p));
         memory::write(&mem, 4096, &[5]).unwrap();
         digest.mark(dirty);
         assert!(digest.backlog_pages() <= 3);
@@ -382,9 +307,9 @@ mod tests {
         // Pages 1000 and 4095 change: only their regions are hashed again.
         memory::write(&mem, 1000 * 4096, &[1]).unwrap();
         memory::write(&mem, 4095 * 4096 + 17, &[2]).unwrap();
-        let mut dirty = vec![0u64; 4096 / 64];
-        dirty[1000 / 64] |= 1 << (1000 % 64);
-        dirty[4095 / 64] |= 1 << (4095 % 64);
+        let mut dirty = DirtyBitmap::new(4096);
+        dirty.set(1000);
+        dirty.set(4095);
         incremental.mark(&dirty);
         assert_eq!(incremental.refresh(&mem, 2), 2);
         assert_eq!(incremental.hashes(), memory_digest(&mem, 256 << 10, 2));
@@ -400,9 +325,10 @@ mod tests {
 
     #[test]
     fn mismatch_lists_are_bounded() {
-        assert_eq!(decode_mismatch(&encode_mismatch(&[1, 5]), 16).unwrap(), vec![1, 5]);
-        assert!(decode_mismatch(&encode_mismatch(&[16]), 16).is_err());
-        assert!(decode_mismatch(&encode_mismatch(&[]), 16).is_err());
-        assert!(decode_mismatch(&encode_mismatch(&[1, 2, 3]), 2).is_err());
+        let list = |regions: &[u32]| Mismatch { regions: regions.to_vec() }.encode();
+        assert_eq!(Mismatch::decode(&list(&[1, 5]), 16).unwrap().regions, vec![1, 5]);
+        assert!(Mismatch::decode(&list(&[16]), 16).is_err());
+        assert!(Mismatch::decode(&list(&[]), 16).is_err());
+        assert!(Mismatch::decode(&list(&[1, 2, 3]), 2).is_err());
     }
 }

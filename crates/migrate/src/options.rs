@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::digest;
 use crate::subpage::Detector;
@@ -70,7 +70,7 @@ pub enum GpuOffload {
 /// Default encode threads: every core but one (which fetches and sends).
 pub fn default_encode_threads() -> u16 {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    (cores.saturating_sub(1)).clamp(1, crate::wire::MAX_SHARDS as usize) as u16
+    (cores.saturating_sub(1)).clamp(1, crate::protocol::MAX_SHARDS as usize) as u16
 }
 
 impl MigrateOptions {
@@ -83,13 +83,13 @@ impl MigrateOptions {
         if !(64..=4096).contains(&self.batch_pages) || !self.batch_pages.is_multiple_of(64) {
             return Err(format!("--batch-pages must be a multiple of 64 from 64 to 4096, not {}", self.batch_pages));
         }
-        if !(1..=crate::wire::MAX_CHANNELS).contains(&self.channels) {
-            return Err(format!("--channels must be 1 to {}, not {}", crate::wire::MAX_CHANNELS, self.channels));
+        if !(1..=crate::protocol::MAX_CHANNELS).contains(&self.channels) {
+            return Err(format!("--channels must be 1 to {}, not {}", crate::protocol::MAX_CHANNELS, self.channels));
         }
-        if !(1..=crate::wire::MAX_SHARDS).contains(&self.encode_threads) {
+        if !(1..=crate::protocol::MAX_SHARDS).contains(&self.encode_threads) {
             return Err(format!(
                 "--encode-threads must be 1 to {}, not {}",
-                crate::wire::MAX_SHARDS,
+                crate::protocol::MAX_SHARDS,
                 self.encode_threads
             ));
         }
@@ -147,10 +147,10 @@ impl Default for MigrateOptions {
 }
 
 /// Where a running migration is, for `query-migrate` and progress bars.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Progress {
     /// setup, iterating, stop-and-copy, committing, completed, failed.
-    pub phase: String,
+    pub phase: crate::protocol::SourceState,
     /// Current iteration.
     pub iteration: u32,
     /// Pages dirty at the start of this iteration.

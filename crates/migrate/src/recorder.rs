@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use tsubame_trace::format::{xbzrle_size, PageChange, Setup, TraceError, TraceWriter};
 use tsubame_vmm::{memory, Vm, PAGE_SIZE};
 
-use crate::pages::{count_pages, is_zero_page};
+use tsubame_codec::zero::is_zero;
+use tsubame_vmm::DirtyBitmap;
 
 /// Bitmap words cleared and read per step.
 const WORDS_PER_CHUNK: usize = 16;
@@ -106,8 +107,8 @@ pub fn record(
     }
     let pages = memory::page_count(vm.memory());
     let mut shadow = vec![0u8; pages as usize * PAGE_SIZE];
-    let mut bitmap = vec![0u64; vm.dirty_bitmap_words()];
-    let mut nonzero = vec![0u64; bitmap.len()];
+    let mut bitmap = vm.dirty_bitmap();
+    let mut nonzero = DirtyBitmap::new(pages);
     let pagemap = memory::Pagemap::open().ok();
     let mut page = [0u8; PAGE_SIZE];
     let mut populated = [true; WORDS_PER_CHUNK * 64];
@@ -119,10 +120,9 @@ pub fn record(
         if vm.manual_dirty_protect() {
             vm.dirty_log(&mut bitmap)?;
         } else {
-            bitmap.iter_mut().for_each(|w| *w = u64::MAX);
+            bitmap.set_all();
         }
-        for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
-            let first = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
+        for (first, chunk) in bitmap.chunks(WORDS_PER_CHUNK) {
             vm.clear_dirty_log(first, chunk)?;
             let populated = &mut populated[..chunk.len() * 64];
             if pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first, populated).is_err()) {
@@ -134,9 +134,9 @@ pub fn record(
                     continue;
                 }
                 memory::read_page(vm.memory(), index, &mut page).map_err(tsubame_vmm::VmError::from)?;
-                if !is_zero_page(&page) {
+                if !is_zero(&page) {
                     shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(&page);
-                    nonzero[(index / 64) as usize] |= 1 << (index % 64);
+                    nonzero.set(index);
                 }
             }
         }
@@ -148,9 +148,9 @@ pub fn record(
             native_ops_per_sec,
             huge_pages: vm.hugepages(),
         };
-        let mut writer = TraceWriter::new(out, &setup, &nonzero)?;
+        let mut writer = TraceWriter::new(out, &setup, nonzero.words())?;
         let mut summary =
-            RecordSummary { intervals: 0, changes: 0, nonzero_pages: count_pages(&nonzero), longest_tick_ms: 0.0 };
+            RecordSummary { intervals: 0, changes: 0, nonzero_pages: nonzero.count(), longest_tick_ms: 0.0 };
         let g = options.granularity as usize;
         let start = Instant::now();
         let mut changes = Vec::new();
@@ -165,11 +165,10 @@ pub fn record(
             let at_us = start.elapsed().as_micros() as u64;
             vm.dirty_log(&mut bitmap)?;
             changes.clear();
-            for (chunk_index, chunk) in bitmap.chunks(WORDS_PER_CHUNK).enumerate() {
+            for (first, chunk) in bitmap.chunks(WORDS_PER_CHUNK) {
                 if chunk.iter().all(|&w| w == 0) {
                     continue;
                 }
-                let first = (chunk_index * WORDS_PER_CHUNK * 64) as u64;
                 vm.clear_dirty_log(first, chunk)?;
                 for (w, &word) in chunk.iter().enumerate() {
                     let mut bits = word;
@@ -184,8 +183,9 @@ pub fn record(
                                 mask |= 1 << i;
                             }
                         }
-                        let xbzrle_bytes = xbzrle_size(held, &page).unwrap_or(PAGE_SIZE as u32 + 1);
-                        changes.push(PageChange { page: index, mask, xbzrle_bytes, zero: is_zero_page(&page) });
+                        let held_page = (&*held).try_into().expect("a page");
+                        let xbzrle_bytes = xbzrle_size(held_page, &page).unwrap_or(PAGE_SIZE as u32 + 1);
+                        changes.push(PageChange { page: index, mask, xbzrle_bytes, zero: is_zero(&page) });
                         if mask != 0 {
                             held.copy_from_slice(&page);
                         }

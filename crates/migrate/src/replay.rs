@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use tsubame_trace::format::Trace;
 use tsubame_vmm::memory::{self, GuestMemory};
-use tsubame_vmm::{VcpuStatus, VmError, PAGE_SIZE};
+use tsubame_vmm::{DirtyBitmap, VcpuStatus, VmError, PAGE_SIZE};
 
-use crate::source_vm::SourceVm;
+use crate::source::SourceVm;
 
 /// Counters of the replay, for "the guest continues".
 #[derive(Debug, Clone, Copy, Default)]
@@ -29,10 +29,9 @@ pub struct ReplayProgress {
 }
 
 struct Shared {
+    /// Its writes mark the pages they dirty in the memory's bitmap, which
+    /// `dirty_log` takes.
     memory: Arc<GuestMemory>,
-    /// One bit per page dirtied since the last `dirty_log`.
-    dirty: Vec<AtomicU64>,
-    logging: AtomicBool,
     paused: Mutex<bool>,
     resumed: std::sync::Condvar,
     stop: AtomicBool,
@@ -73,21 +72,12 @@ impl TraceReplay {
         let memory = memory::create(bytes, true).map_err(|e| ReplayError::Memory { bytes, detail: e.to_string() })?;
         let pages = memory::page_count(&memory);
         let mut page = [0u8; PAGE_SIZE];
-        for (w, &word) in trace.nonzero.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let index = w as u64 * 64 + bits.trailing_zeros() as u64;
-                bits &= bits - 1;
-                if index < pages {
-                    initial_page(index, &mut page);
-                    let _ = memory::write(&memory, index * PAGE_SIZE as u64, &page);
-                }
-            }
+        for index in DirtyBitmap::from_words(trace.nonzero.clone(), pages).iter() {
+            initial_page(index, &mut page);
+            let _ = memory::write(&memory, index * PAGE_SIZE as u64, &page);
         }
         let shared = Arc::new(Shared {
             memory: Arc::new(memory),
-            dirty: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            logging: AtomicBool::new(false),
             paused: Mutex::new(false),
             resumed: std::sync::Condvar::new(),
             stop: AtomicBool::new(false),
@@ -187,9 +177,6 @@ fn replay_loop(shared: &Shared, trace: &Trace, speed: f64) {
                         let _ = memory::write(&shared.memory, at, &next().to_le_bytes());
                     }
                 }
-                if shared.logging.load(Ordering::Relaxed) {
-                    shared.dirty[(change.page / 64) as usize].fetch_or(1 << (change.page % 64), Ordering::Relaxed);
-                }
                 shared.page_writes.fetch_add(1, Ordering::Relaxed);
             }
             drop(paused);
@@ -216,20 +203,20 @@ impl SourceVm for TraceReplay {
         }
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), VmError> {
-        self.shared.logging.store(on, Ordering::Release);
+        if on {
+            memory::take_vmm_dirty(&self.shared.memory); // the initial fill
+        }
         Ok(())
     }
     fn manual_dirty_protect(&self) -> bool {
         false
     }
-    fn dirty_bitmap_words(&self) -> usize {
-        self.shared.dirty.len()
+    fn dirty_bitmap(&self) -> DirtyBitmap {
+        DirtyBitmap::new(memory::page_count(&self.shared.memory))
     }
     /// Takes and clears the bits, as KVM's log without manual protect.
-    fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError> {
-        for (out, word) in bitmap.iter_mut().zip(&self.shared.dirty) {
-            *out = word.swap(0, Ordering::AcqRel);
-        }
+    fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError> {
+        *bitmap = memory::take_vmm_dirty(&self.shared.memory);
         Ok(())
     }
     fn clear_dirty_log(&self, _first_page: u64, _bits: &[u64]) -> Result<(), VmError> {

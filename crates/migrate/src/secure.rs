@@ -39,7 +39,7 @@ pub use record::{Opener, RecordFormat, Sealer, MAX_RECORD};
 pub use tls::{tls_handshake, TlsConfig};
 
 /// First bytes of the handshake (never a valid migration preamble).
-pub const MAGIC: [u8; 8] = *b"TSBSEC1\0";
+pub use crate::protocol::SECURE_MAGIC as MAGIC;
 const NONCE_LEN: usize = 32;
 /// Handshake HELLO: magic, mode, nonce.
 pub const HELLO_LEN: usize = 8 + 1 + NONCE_LEN;
@@ -281,7 +281,7 @@ pub fn check_hello(hello: &[u8; HELLO_LEN]) -> Result<[u8; NONCE_LEN], SecureErr
 }
 
 fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
-    if magic == crate::wire::MAGIC {
+    if magic == crate::protocol::MAGIC {
         return Err(SecureError::NotSecure("it sent a plain migration preamble"));
     }
     if tls::is_client_hello(magic) {
@@ -295,28 +295,28 @@ fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
 
 /// Both directions of a secured connection; shared by its handles, each
 /// direction under its own lock (one thread reads, another writes).
-pub struct Channel {
+pub struct RecordLayer {
     /// Receiving side.
     pub rx: Mutex<Opener>,
     /// Sending side.
     pub tx: Mutex<Sealer>,
 }
 
-impl std::fmt::Debug for Channel {
+impl std::fmt::Debug for RecordLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Channel(..)")
+        f.write_str("RecordLayer(..)")
     }
 }
 
-impl Channel {
+impl RecordLayer {
     /// A channel for a pre-shared-key session's keys.
-    pub fn new(keys: &Keys) -> Channel {
-        Channel::from_halves(Opener::new(&keys.receive), Sealer::new(&keys.send))
+    pub fn new(keys: &Keys) -> RecordLayer {
+        RecordLayer::from_halves(Opener::new(&keys.receive), Sealer::new(&keys.send))
     }
 
     /// A channel of two directions' states.
-    pub fn from_halves(rx: Opener, tx: Sealer) -> Channel {
-        Channel { rx: Mutex::new(rx), tx: Mutex::new(tx) }
+    pub fn from_halves(rx: Opener, tx: Sealer) -> RecordLayer {
+        RecordLayer { rx: Mutex::new(rx), tx: Mutex::new(tx) }
     }
 }
 
@@ -361,7 +361,7 @@ mod tests {
     #[test]
     fn plain_peer_and_short_keys_are_refused() {
         let mut hello = [0u8; HELLO_LEN];
-        hello[..8].copy_from_slice(&crate::wire::MAGIC);
+        hello[..8].copy_from_slice(&crate::protocol::MAGIC);
         assert!(matches!(check_hello(&hello), Err(SecureError::NotSecure(_))));
         // A TLS end: its ClientHello, or the HELLO it answers a tsubame peer with.
         assert!(matches!(check_magic(&[0x16, 3, 1, 2, 0, 1, 0, 1]), Err(SecureError::ModeMismatch { .. })));

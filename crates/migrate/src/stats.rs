@@ -1,11 +1,63 @@
-//! Migration statistics, serialized as the JSON of DESIGN.md.
+//! Migration statistics: the JSON that `--json` writes and `query-migrate`
+//! returns (its fields are a contract: docs/architecture.md). Typed on
+//! both sides: the engine fills them, the CLI reads them back.
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+/// How a migration ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// The destination runs the VM.
+    Completed,
+    /// It did not (before COMMIT: the VM runs at the source).
+    #[default]
+    Failed,
+}
+
+/// Why iterating stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopReason {
+    /// It never stopped (the migration failed before).
+    #[default]
+    #[serde(rename = "")]
+    NotStopped,
+    /// The rest fit the downtime limit.
+    #[serde(rename = "converged")]
+    Converged,
+    /// Nothing was dirty.
+    #[serde(rename = "no-dirty-pages")]
+    NoDirtyPages,
+    /// The iteration limit.
+    #[serde(rename = "max-iterations")]
+    MaxIterations,
+    /// Three times memory went out (Xen's limit).
+    #[serde(rename = "sent-3x-memory")]
+    Sent3xMemory,
+}
+
+impl StopReason {
+    /// True when the rest fit the downtime limit.
+    pub fn converged(self) -> bool {
+        matches!(self, StopReason::Converged | StopReason::NoDirtyPages)
+    }
+
+    /// The name in the statistics.
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::NotStopped => "",
+            StopReason::Converged => "converged",
+            StopReason::NoDirtyPages => "no-dirty-pages",
+            StopReason::MaxIterations => "max-iterations",
+            StopReason::Sent3xMemory => "sent-3x-memory",
+        }
+    }
+}
 
 /// One pre-copy iteration (the last one is stop-and-copy).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct IterationStats {
     /// 0-based; iteration 0 sends all memory.
     pub index: u32,
@@ -22,7 +74,7 @@ pub struct IterationStats {
 }
 
 /// CPU-seconds (user + system) of each side's process during migration.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CpuSeconds {
     /// The source process (vCPU thread included).
     pub source: f64,
@@ -33,7 +85,7 @@ pub struct CpuSeconds {
 }
 
 /// Where the downtime went, in milliseconds, in order.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DowntimeBreakdown {
     /// Stopping the vCPU.
     pub pause_ms: f64,
@@ -50,7 +102,7 @@ pub struct DowntimeBreakdown {
 }
 
 /// Per-codec counters.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CodecStats {
     /// Pages this codec encoded.
     pub pages: u64,
@@ -61,10 +113,11 @@ pub struct CodecStats {
 }
 
 /// Everything `--json` writes.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct MigrationStats {
-    /// "completed" or "failed".
-    pub status: String,
+    /// completed or failed.
+    pub status: Status,
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -80,8 +133,8 @@ pub struct MigrationStats {
     pub iterations: u32,
     /// True when iteration stopped because the rest fit the downtime limit.
     pub converged: bool,
-    /// Why iterating stopped: converged, max-iterations, sent-3x-memory, no-dirty-pages.
-    pub stop_reason: String,
+    /// Why iterating stopped.
+    pub stop_reason: StopReason,
     /// Bytes written to the connection.
     pub bytes_on_wire: u64,
     /// Pages of guest memory.
@@ -111,7 +164,102 @@ pub struct MigrationStats {
     pub regions_repaired: u64,
     /// The source's stages: busy and waiting time, queues, CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pipeline: Option<crate::pipeline::PipelineStats>,
+    pub pipeline: Option<PipelineStats>,
 }
 
-pub use tsubame_vmm::host::{process_cpu_seconds, thread_cpu_seconds};
+/// Busy and waiting time of one stage, summed over its threads.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StageStats {
+    /// fetch, encode, send.
+    pub name: String,
+    /// Threads running the stage.
+    pub threads: u32,
+    /// Seconds doing the stage's work.
+    pub busy_seconds: f64,
+    /// Seconds waiting for input (an empty queue).
+    pub wait_input_seconds: f64,
+    /// Seconds waiting for room downstream (a full queue, no free buffer).
+    pub wait_output_seconds: f64,
+    /// Items (batches or frames) handled.
+    pub items: u64,
+    /// Mean depth of the stage's output queue, sampled at each push.
+    pub mean_queue_depth: f64,
+    /// Deepest the output queue got.
+    pub max_queue_depth: u64,
+    /// CPU-seconds of the stage's threads (user + system).
+    pub cpu_seconds: f64,
+}
+
+impl StageStats {
+    /// A stage of one thread with nothing counted yet.
+    pub fn named(name: &str) -> StageStats {
+        StageStats { name: name.into(), threads: 1, ..Default::default() }
+    }
+
+    /// Records the depth of the stage's output queue at a push.
+    pub fn sample_queue(&mut self, depth: usize, samples: &mut u64) {
+        *samples += 1;
+        self.mean_queue_depth += (depth as f64 - self.mean_queue_depth) / *samples as f64;
+        self.max_queue_depth = self.max_queue_depth.max(depth as u64);
+    }
+
+    /// Adds another thread's figures of the same stage.
+    pub fn merge(&mut self, other: &StageStats) {
+        let items = (self.items + other.items).max(1) as f64;
+        self.mean_queue_depth =
+            (self.mean_queue_depth * self.items as f64 + other.mean_queue_depth * other.items as f64) / items;
+        self.threads += other.threads;
+        self.busy_seconds += other.busy_seconds;
+        self.wait_input_seconds += other.wait_input_seconds;
+        self.wait_output_seconds += other.wait_output_seconds;
+        self.items += other.items;
+        self.max_queue_depth = self.max_queue_depth.max(other.max_queue_depth);
+        self.cpu_seconds += other.cpu_seconds;
+    }
+}
+
+/// The `pipeline` field of the statistics.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PipelineStats {
+    /// "pipelined" or "sequential" (`--no-pipeline`).
+    pub mode: String,
+    /// Connections.
+    pub channels: u16,
+    /// Codec shards (= encode threads when pipelined).
+    pub shards: u16,
+    /// Pages per batch.
+    pub batch_pages: u64,
+    /// Buffers per stage.
+    pub buffers: usize,
+    /// fetch, encode, send.
+    pub stages: Vec<StageStats>,
+    /// `--zero-copy` sends and their completions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_copy: Option<ZeroCopyStats>,
+}
+
+/// Counters of zero-copy sends, for the statistics' `pipeline` field.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ZeroCopyStats {
+    /// `sendmsg` calls with `MSG_ZEROCOPY`.
+    pub sends: u64,
+    /// Bytes they carried.
+    pub bytes: u64,
+    /// Of the sends, those whose completion arrived.
+    pub completed: u64,
+    /// Of the completed, those the kernel copied after all (always so over
+    /// loopback, where no NIC reads the pages).
+    pub copied: u64,
+}
+
+impl ZeroCopyStats {
+    /// Adds another channel's counters.
+    pub fn add(&mut self, other: &ZeroCopyStats) {
+        self.sends += other.sends;
+        self.bytes += other.bytes;
+        self.completed += other.completed;
+        self.copied += other.copied;
+    }
+}
+
+pub use tsubame_vmm::cpu_time::{process_cpu_seconds, thread_cpu_seconds};

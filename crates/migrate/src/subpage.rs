@@ -13,10 +13,11 @@
 //! destination memory: the hash table stores `hash ^ ZERO_HASH`, so its
 //! zero-filled (lazily allocated) start state means "zero sub-page".
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::pages::{is_zero_page, PAGE};
+use tsubame_codec::zero::is_zero;
+use tsubame_codec::PAGE_SIZE;
 
 /// How the tracker knows the destination's contents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,14 +39,7 @@ impl std::str::FromStr for Detector {
     }
 }
 
-/// Checks a granularity: a power of two from 64 to 4096 bytes.
-pub fn check_granularity(bytes: u32) -> Result<(), String> {
-    if bytes.is_power_of_two() && (64..=PAGE as u32).contains(&bytes) {
-        Ok(())
-    } else {
-        Err(format!("granularity {bytes} must be a power of two from 64 to 4096"))
-    }
-}
+pub use crate::protocol::check_granularity;
 
 /// What a dirty page turned out to need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +55,7 @@ pub enum Change {
 }
 
 /// Counters for the `subpage` field of the statistics.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SubpageStats {
     /// Bytes per sub-page.
     pub granularity: u32,
@@ -123,14 +117,14 @@ impl SubpageTracker {
     /// A tracker for `pages` pages of guest memory.
     pub fn new(detector: Detector, granularity: u32, pages: u64, hash_mask: u64) -> SubpageTracker {
         let granularity = granularity as usize;
-        let per_page = PAGE / granularity;
+        let per_page = PAGE_SIZE / granularity;
         let (shadow, hashes) = match detector {
             // vec![0; n] of this size comes from calloc: lazily zeroed pages.
-            Detector::Shadow => (vec![0u8; pages as usize * PAGE], Vec::new()),
+            Detector::Shadow => (vec![0u8; pages as usize * PAGE_SIZE], Vec::new()),
             Detector::Hash => (Vec::new(), vec![0u64; pages as usize * per_page]),
         };
         let memory_bytes = (shadow.len() + hashes.len() * 8) as u64;
-        let table_pages = memory_bytes.div_ceil(PAGE as u64);
+        let table_pages = memory_bytes.div_ceil(PAGE_SIZE as u64);
         SubpageTracker {
             granularity,
             per_page,
@@ -159,12 +153,12 @@ impl SubpageTracker {
 
     /// Compares `page` (now in guest memory) with what the destination
     /// holds, records it as sent, and says what to send.
-    pub fn diff(&mut self, index: u64, page: &[u8; PAGE]) -> Change {
+    pub fn diff(&mut self, index: u64, page: &[u8; PAGE_SIZE]) -> Change {
         let g = self.granularity;
         let mut mask = 0u64;
         match self.detector {
             Detector::Shadow => {
-                let held = &mut self.shadow[index as usize * PAGE..][..PAGE];
+                let held = &mut self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE];
                 for (i, (now, was)) in page.chunks_exact(g).zip(held.chunks_exact(g)).enumerate() {
                     if now != was {
                         mask |= 1 << i;
@@ -192,7 +186,7 @@ impl SubpageTracker {
         let all = if self.per_page == 64 { u64::MAX } else { (1u64 << self.per_page) - 1 };
         let change = if mask == 0 {
             Change::Unchanged
-        } else if is_zero_page(page) {
+        } else if is_zero(page) {
             Change::Zero
         } else if mask == all {
             Change::Full
@@ -212,14 +206,14 @@ impl SubpageTracker {
     /// (never populated), without hashing or comparing its bytes.
     pub fn diff_zero(&mut self, index: u64) -> Change {
         let held_zero = match self.detector {
-            Detector::Shadow => is_zero_page(&self.shadow[index as usize * PAGE..][..PAGE]),
+            Detector::Shadow => is_zero(self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().unwrap()),
             Detector::Hash => self.hashes[index as usize * self.per_page..][..self.per_page].iter().all(|&h| h == 0),
         };
         if held_zero {
             self.stats.pages_unchanged += 1;
             Change::Unchanged
         } else {
-            self.set(index, &[0u8; PAGE]);
+            self.set(index, &[0u8; PAGE_SIZE]);
             self.stats.pages_zeroed += 1;
             Change::Zero
         }
@@ -228,23 +222,23 @@ impl SubpageTracker {
     /// Notes that the table entry of guest page `index` was written.
     fn mark_written(&mut self, index: u64) {
         let bytes_per_page = match self.detector {
-            Detector::Shadow => PAGE,
+            Detector::Shadow => PAGE_SIZE,
             Detector::Hash => self.per_page * 8,
         } as u64;
-        let table_page = index * bytes_per_page / PAGE as u64;
+        let table_page = index * bytes_per_page / PAGE_SIZE as u64;
         let (word, bit) = ((table_page / 64) as usize, 1u64 << (table_page % 64));
         if self.written[word] & bit == 0 {
             self.written[word] |= bit;
-            self.stats.memory_resident_bytes += PAGE as u64;
+            self.stats.memory_resident_bytes += PAGE_SIZE as u64;
         }
     }
 
     /// Records that the destination now holds `page` (sent whole, e.g. by
     /// the verification pass).
-    pub fn set(&mut self, index: u64, page: &[u8; PAGE]) {
+    pub fn set(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.mark_written(index);
         match self.detector {
-            Detector::Shadow => self.shadow[index as usize * PAGE..][..PAGE].copy_from_slice(page),
+            Detector::Shadow => self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page),
             Detector::Hash => {
                 let g = self.granularity;
                 let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
@@ -258,7 +252,7 @@ impl SubpageTracker {
 
 /// Appends the sub-pages in `mask` of `page` after the mask itself: the
 /// data of a SUBPAGE record.
-pub fn encode_partial(page: &[u8; PAGE], granularity: usize, mask: u64, out: &mut Vec<u8>) {
+pub fn encode_partial(page: &[u8; PAGE_SIZE], granularity: usize, mask: u64, out: &mut Vec<u8>) {
     out.clear();
     out.extend_from_slice(&mask.to_le_bytes());
     let mut bits = mask;
@@ -273,8 +267,8 @@ pub fn encode_partial(page: &[u8; PAGE], granularity: usize, mask: u64, out: &mu
 mod tests {
     use super::*;
 
-    fn page_with(bytes: &[(usize, u8)]) -> [u8; PAGE] {
-        let mut p = [0u8; PAGE];
+    fn page_with(bytes: &[(usize, u8)]) -> [u8; PAGE_SIZE] {
+        let mut p = [0u8; PAGE_SIZE];
         for &(i, b) in bytes {
             p[i] = b;
         }
@@ -286,14 +280,14 @@ mod tests {
         for detector in [Detector::Shadow, Detector::Hash] {
             let mut t = SubpageTracker::new(detector, 128, 4, u64::MAX);
             // Fresh destination memory is zeros: an all-zero page is unchanged.
-            assert_eq!(t.diff(0, &[0u8; PAGE]), Change::Unchanged);
+            assert_eq!(t.diff(0, &[0u8; PAGE_SIZE]), Change::Unchanged);
             let p = page_with(&[(5, 1), (300, 2)]);
             assert_eq!(t.diff(1, &p), Change::Partial(0b101));
             assert_eq!(t.diff(1, &p), Change::Unchanged);
             let q = page_with(&[(5, 1), (300, 2), (4095, 9)]);
             assert_eq!(t.diff(1, &q), Change::Partial(1 << 31));
-            assert_eq!(t.diff(1, &[0u8; PAGE]), Change::Zero);
-            assert_eq!(t.diff(2, &[7u8; PAGE]), Change::Full);
+            assert_eq!(t.diff(1, &[0u8; PAGE_SIZE]), Change::Zero);
+            assert_eq!(t.diff(2, &[7u8; PAGE_SIZE]), Change::Full);
             assert_eq!(t.stats.pages_unchanged, 2);
             // Shadow: pages 1 and 2 are two table pages; hash: they share one.
             let resident = if detector == Detector::Shadow { 8192 } else { 4096 };
@@ -304,8 +298,8 @@ mod tests {
     #[test]
     fn sixty_four_byte_granularity_uses_all_mask_bits() {
         let mut t = SubpageTracker::new(Detector::Shadow, 64, 1, u64::MAX);
-        assert_eq!(t.diff(0, &[1u8; PAGE]), Change::Full);
-        let mut p = [1u8; PAGE];
+        assert_eq!(t.diff(0, &[1u8; PAGE_SIZE]), Change::Full);
+        let mut p = [1u8; PAGE_SIZE];
         p[4095] = 3;
         assert_eq!(t.diff(0, &p), Change::Partial(1 << 63));
     }
@@ -313,7 +307,7 @@ mod tests {
     #[test]
     fn a_masked_hash_misses_changes() {
         let mut t = SubpageTracker::new(Detector::Hash, 128, 1, 0);
-        assert_eq!(t.diff(0, &[1u8; PAGE]), Change::Unchanged, "with every hash 0 nothing looks changed");
+        assert_eq!(t.diff(0, &[1u8; PAGE_SIZE]), Change::Unchanged, "with every hash 0 nothing looks changed");
     }
 
     #[test]

@@ -81,9 +81,9 @@ impl Security {
         let secure = |source| TransportError::Secure { peer: peer.clone(), source };
         let io = |e: std::io::Error| secure(crate::secure::SecureError::Io(e));
         stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
-        let channel = match (&self.psk, &self.tls) {
+        let records = match (&self.psk, &self.tls) {
             (Some(psk), None) => crate::secure::psk_handshake(&mut RawRef(&stream), psk, role)
-                .map(|keys| crate::secure::Channel::new(&keys)),
+                .map(|keys| crate::secure::RecordLayer::new(&keys)),
             (None, Some(tls)) => crate::secure::tls_handshake(&mut RawRef(&stream), tls, role, server_name),
             _ => Err(crate::secure::SecureError::BothModes),
         }
@@ -92,14 +92,14 @@ impl Security {
             secure(e)
         })?;
         stream.set_read_timeout(None).map_err(io)?;
-        Ok(Stream::Secure(Arc::new(Secured { raw: stream, channel })))
+        Ok(Stream::Secure(Arc::new(Secured { raw: stream, records })))
     }
 }
 
 /// A connection under the secure record layer.
 pub struct Secured {
     raw: Stream,
-    channel: crate::secure::Channel,
+    records: crate::secure::RecordLayer,
 }
 
 /// Reads and writes a plain stream through a shared reference.
@@ -136,6 +136,21 @@ pub enum Address {
     Tcp(String),
     /// Unix socket path.
     Unix(PathBuf),
+}
+
+impl Address {
+    /// The name a client checks a TLS server's certificate against: the
+    /// host of `tcp:HOST:PORT` (a DNS name or an IP address), `localhost`
+    /// for a Unix socket.
+    pub fn server_name(&self) -> String {
+        match self {
+            Address::Tcp(hp) => {
+                let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
+                host.trim_start_matches('[').trim_end_matches(']').to_string()
+            }
+            Address::Unix(_) => "localhost".into(),
+        }
+    }
 }
 
 impl std::str::FromStr for Address {
@@ -183,7 +198,7 @@ impl Stream {
     /// Connects to `addr` as [`Stream::connect`] does, then protects the
     /// connection as `security` says.
     pub fn connect_with(addr: &Address, patience: Duration, security: &Security) -> Result<Stream, TransportError> {
-        let name = crate::secure::tls::server_name(addr);
+        let name = addr.server_name();
         security.protect(Stream::connect(addr, patience)?, crate::secure::Role::Client, &name)
     }
 
@@ -266,7 +281,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
-            Stream::Secure(s) => s.channel.rx.lock().unwrap().read(&mut RawRef(&s.raw), buf),
+            Stream::Secure(s) => s.records.rx.lock().unwrap().read(&mut RawRef(&s.raw), buf),
         }
     }
 }
@@ -277,7 +292,7 @@ impl Write for Stream {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
             Stream::Secure(s) => {
-                s.channel.tx.lock().unwrap().write_all(&mut RawRef(&s.raw), buf)?;
+                s.records.tx.lock().unwrap().write_all(&mut RawRef(&s.raw), buf)?;
                 Ok(buf.len())
             }
         }

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use tsubame_migrate::destination::{receive, ReceiveOptions};
+use tsubame_migrate::stats::{Status, StopReason};
 use tsubame_migrate::subpage::Detector;
 use tsubame_migrate::transport::{Address, Listener};
 use tsubame_migrate::{source, MigrateOptions, ProgressCell};
@@ -62,7 +63,7 @@ fn migrate_over(
     let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}));
     let stats = source::migrate(&vm, &addr, &options, &ProgressCell::default());
     let mut incoming = dest.join().unwrap().expect("destination received the VM");
-    assert_eq!(stats.status, "completed", "{:?}", stats.error);
+    assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
     assert!(stats.digest_verified);
     // The digest kept during pre-copy matched at once: nothing to repair
     // (unless a test forges sub-page hash collisions on purpose).
@@ -153,9 +154,9 @@ fn capped_bandwidth_bwmem_does_not_converge() {
     let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}));
     let stats = source::migrate(&vm, &addr, &options, &ProgressCell::default());
     dest.join().unwrap().unwrap();
-    assert_eq!(stats.status, "completed", "{:?}", stats.error);
+    assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
     assert!(!stats.converged);
-    assert_eq!(stats.stop_reason, "max-iterations");
+    assert_eq!(stats.stop_reason, StopReason::MaxIterations);
     assert_eq!(stats.iterations, 4);
 }
 
@@ -184,7 +185,7 @@ fn auto_converge_throttles_and_a_failed_migration_lets_the_guest_run_freely() {
     let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}));
     let stats = source::migrate(&vm, &addr, &options, &ProgressCell::default());
     let _ = dest.join().unwrap();
-    assert_eq!(stats.status, "failed");
+    assert_eq!(stats.status, Status::Failed);
     assert!(stats.error.as_deref().unwrap_or("").contains("keeps running here"), "{:?}", stats.error);
     let throttles: Vec<f64> = stats.per_iteration.iter().map(|i| i.throttle).collect();
     assert_eq!(throttles[..2], [0.0, 0.0], "never before two iterations that dirtied too much: {throttles:?}");
@@ -365,7 +366,7 @@ fn channel_barrier_holds_when_channels_lag() {
         let options = MigrateOptions { channels: 4, encode_threads: 4, ..Default::default() };
         let stats = source::migrate(&vm, &proxy_addr, &options, &ProgressCell::default());
         let incoming = dest.join().unwrap().expect("destination received the VM");
-        assert_eq!(stats.status, "completed", "{:?}", stats.error);
+        assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
         // Hashing before a lagging channel's last pages landed would show
         // as a mismatch and a repair.
         assert!(stats.digest_verified);

@@ -3,6 +3,7 @@
 //! and any truncation of it must fail cleanly, never land a VM.
 
 use tsubame_migrate::destination::{receive_stream, MemoryLanding, ReceiveOptions};
+use tsubame_migrate::stats::Status;
 
 const RECORDED: &[u8] = include_bytes!("../../../fuzz/corpus/receiver/migration-8M-idle-codecs");
 
@@ -102,7 +103,7 @@ fn record_seed() {
         ..Default::default()
     };
     let stats = source::migrate(&vm, &to_proxy, &options, &ProgressCell::default());
-    assert_eq!(stats.status, "completed", "{:?}", stats.error);
+    assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
     assert!(dest.join().unwrap().unwrap());
     let recorded = proxy.join().unwrap();
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/receiver/migration-8M-idle-codecs");

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tsubame_migrate::destination::{receive_into, MemoryLanding, ReceiveOptions};
 use tsubame_migrate::replay::TraceReplay;
+use tsubame_migrate::stats::Status;
 use tsubame_migrate::transport::{Address, Listener};
 use tsubame_migrate::{source, MigrateOptions, ProgressCell};
 use tsubame_trace::format::{PageChange, Setup, Trace, TraceWriter};
@@ -69,7 +70,7 @@ fn replayed_trace_migrates_with_every_pipeline_shape() {
         let before = replay.progress();
         let stats = source::migrate(&replay, &addr, &options, &ProgressCell::default());
         let (received, started) = dest.join().unwrap();
-        assert_eq!(stats.status, "completed", "{:?}", stats.error);
+        assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
         assert!(stats.digest_verified && received.is_ok() && started, "{received:?}");
         assert!(stats.iterations >= 2, "{channels} channels: {} iterations", stats.iterations);
         assert!(replay.progress().page_writes > before.page_writes, "the replay kept dirtying memory");
@@ -109,7 +110,7 @@ fn a_vm_destination_refuses_a_replay_clearly() {
     });
     let stats = source::migrate(&replay, &addr, &MigrateOptions::default(), &ProgressCell::default());
     assert!(dest.join().unwrap());
-    assert_eq!(stats.status, "failed");
+    assert_eq!(stats.status, Status::Failed);
     // The source resumes: the replay goes on.
     let before = replay.progress().page_writes;
     std::thread::sleep(Duration::from_millis(100));

@@ -10,6 +10,8 @@
 
 use std::io::{Read, Write};
 
+use tsubame_codec::PAGE_SIZE;
+
 /// First bytes of every trace file.
 pub const MAGIC: [u8; 8] = *b"TSBTRACE";
 /// Version of the layout written (2 added the guest's ops counter; 1 is
@@ -18,8 +20,6 @@ pub const VERSION: u32 = 2;
 /// Largest record accepted (an interval where all of 64 GiB changed
 /// needs ~16 M entries of a few bytes: records are split well below this).
 pub const MAX_RECORD: usize = 64 << 20;
-/// Page size of traces.
-pub const PAGE: u64 = 4096;
 /// Largest memory a trace may describe.
 pub const MAX_MEMORY: u64 = 64 << 30;
 
@@ -77,7 +77,7 @@ pub struct Setup {
 impl Setup {
     /// Pages of guest memory.
     pub fn pages(&self) -> u64 {
-        self.memory_bytes / PAGE
+        self.memory_bytes / (PAGE_SIZE as u64)
     }
 }
 
@@ -280,7 +280,7 @@ impl Trace {
         if !c.bytes.is_empty() {
             return Err(bad("setup", format!("{} trailing bytes", c.bytes.len())));
         }
-        if memory_bytes == 0 || memory_bytes > MAX_MEMORY || memory_bytes % PAGE != 0 {
+        if memory_bytes == 0 || memory_bytes > MAX_MEMORY || memory_bytes % (PAGE_SIZE as u64) != 0 {
             return Err(bad("setup.memory_bytes", memory_bytes.to_string()));
         }
         if !granularity.is_power_of_two() || !(64..=4096).contains(&granularity) {
@@ -333,7 +333,7 @@ impl Trace {
                     return Err(bad("change.mask", format!("{mask:#x} has bits past sub-page {per_page}")));
                 }
                 let xbzrle_bytes = c.varint("change.xbzrle_bytes")?;
-                if xbzrle_bytes > 2 * PAGE {
+                if xbzrle_bytes > 2 * (PAGE_SIZE as u64) {
                     return Err(bad("change.xbzrle_bytes", xbzrle_bytes.to_string()));
                 }
                 let zero = match c.take(1, "change.zero")?[0] {
@@ -381,41 +381,13 @@ impl Trace {
     }
 }
 
-/// XBZRLE-encoded size of `new` against `old` (QEMU's format: alternating
-/// zero-run and literal-run lengths as varints, literals copied). `None`
-/// when it would not fit in a page (XBZRLE then sends the page whole).
-pub fn xbzrle_size(old: &[u8], new: &[u8]) -> Option<u32> {
-    let varint_len = |n: usize| {
-        if n < 128 {
-            1
-        } else if n < 16384 {
-            2
-        } else {
-            3
-        }
-    };
-    let mut size = 0usize;
-    let mut i = 0;
-    while i < new.len() {
-        let start = i;
-        while i < new.len() && old[i] == new[i] {
-            i += 1;
-        }
-        let zero_run = i - start;
-        let lit_start = i;
-        while i < new.len() && old[i] != new[i] {
-            i += 1;
-        }
-        let literal = i - lit_start;
-        if literal == 0 {
-            break; // trailing zero run is implicit
-        }
-        size += varint_len(zero_run) + varint_len(literal) + literal;
-        if size > new.len() {
-            return None;
-        }
-    }
-    Some(size as u32)
+/// Bytes of the XBZRLE record that turns `old` into `new` (two pages), or
+/// None when the codec would send the page raw instead. It runs the codec
+/// itself, so the estimate is the record the migration would send.
+pub fn xbzrle_size(old: &[u8; PAGE_SIZE], new: &[u8; PAGE_SIZE]) -> Option<u32> {
+    let mut record = Vec::with_capacity(PAGE_SIZE);
+    tsubame_codec::xbzrle::encode_delta(old, new, &mut record, tsubame_codec::xbzrle::MAX_RECORD)
+        .then_some(record.len() as u32)
 }
 
 #[cfg(test)]
@@ -504,6 +476,41 @@ mod tests {
                 bytes.push(seed as u8);
             }
             let _ = Trace::read(bytes.as_slice());
+        }
+    }
+
+    /// The estimate is the record the cache-keeping encoder sends, byte
+    /// for byte, including its rule for 1–2-byte gaps.
+    #[test]
+    fn xbzrle_size_is_the_codecs_record_length() {
+        use tsubame_codec::xbzrle::{Outcome, XbzrleEncoder};
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut encoder = XbzrleEncoder::new(64 << 20);
+        let mut record = Vec::new();
+        for index in 0..2000u64 {
+            let mut old = [0u8; PAGE_SIZE];
+            old.iter_mut().for_each(|b| *b = next() as u8);
+            let mut new = old;
+            // Sparse bytes, short gaps, long runs, or most of the page.
+            let changes = [1, 3, 40, 400, 3000][(next() % 5) as usize];
+            let mut at = (next() % PAGE_SIZE as u64) as usize;
+            for _ in 0..changes {
+                new[at] = new[at].wrapping_add(1 + (next() % 255) as u8);
+                at = (at + 1 + (next() % [3, 4, 64][(next() % 3) as usize]) as usize) % PAGE_SIZE;
+            }
+            assert_eq!(encoder.encode(index, &old, &mut record), Outcome::Miss);
+            let expected = match encoder.encode(index, &new, &mut record) {
+                Outcome::Encoded => Some(record.len() as u32),
+                Outcome::Overflow => None,
+                Outcome::Miss => unreachable!("page {index} was just cached"),
+            };
+            assert_eq!(xbzrle_size(&old, &new), expected, "page pair {index} ({changes} changes)");
         }
     }
 

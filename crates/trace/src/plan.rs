@@ -17,8 +17,9 @@
 
 use serde::Serialize;
 
-use crate::format::{Trace, PAGE};
+use crate::format::Trace;
 use crate::simulate::{GuestClock, Method, SimOptions, GUEST_SPEED_WANDER, RECORD_HEADER};
+use tsubame_codec::PAGE_SIZE;
 
 /// The fitted model.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -134,7 +135,7 @@ pub fn bytes_per_dirty_page(trace: &Trace, method: Method) -> f64 {
     let per_page = 4096 / g;
     let (mut sum, mut n) = (0.0, 0u64);
     for c in trace.intervals.iter().flat_map(|i| &i.changes) {
-        let full = PAGE as f64 + RECORD_HEADER;
+        let full = PAGE_SIZE as f64 + RECORD_HEADER;
         sum += match method {
             _ if c.zero => RECORD_HEADER,
             Method::Page => full,
@@ -145,7 +146,7 @@ pub fn bytes_per_dirty_page(trace: &Trace, method: Method) -> f64 {
         n += 1;
     }
     if n == 0 {
-        PAGE as f64 + RECORD_HEADER
+        PAGE_SIZE as f64 + RECORD_HEADER
     } else {
         sum / n as f64
     }
@@ -230,7 +231,7 @@ fn predict_at(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOp
     let speed = options.guest_speed.max(1e-6);
     let per_page = bytes_per_dirty_page(trace, method);
     let huge = options.huge_pages.unwrap_or(trace.setup.huge_pages);
-    let first_bytes = nonzero * (PAGE as f64 + RECORD_HEADER) + (pages - nonzero) * RECORD_HEADER;
+    let first_bytes = nonzero * (PAGE_SIZE as f64 + RECORD_HEADER) + (pages - nonzero) * RECORD_HEADER;
     let mut duration = first_bytes / options.bandwidth;
     let mut total = duration;
     let mut sent = first_bytes;
@@ -246,7 +247,7 @@ fn predict_at(trace: &Trace, model: &DirtyModel, method: Method, options: &SimOp
         let b = std::f64::consts::LN_2 * work / model.tau * per_piece;
         let after_turn = if b > 1e-9 { 1.0 - (1.0 - (-b).exp()) / b } else { 0.0 };
         let extra = (piece_pages * after_turn - dirty).max(0.0);
-        let unchanged = if method == Method::Page { PAGE as f64 + RECORD_HEADER } else { RECORD_HEADER };
+        let unchanged = if method == Method::Page { PAGE_SIZE as f64 + RECORD_HEADER } else { RECORD_HEADER };
         dirty += extra;
         bytes += extra * unchanged;
     }

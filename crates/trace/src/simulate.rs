@@ -8,7 +8,8 @@
 use serde::Serialize;
 
 use crate::auto_converge::AutoConverge;
-use crate::format::{Trace, PAGE};
+use crate::format::Trace;
+use tsubame_codec::PAGE_SIZE;
 
 /// Bytes of a page record's header in tsubame's stream.
 pub const RECORD_HEADER: f64 = 13.0;
@@ -196,14 +197,14 @@ struct Dirty {
 impl Dirty {
     fn add(&mut self, c: &crate::format::PageChange) {
         self.mask |= c.mask;
-        self.xbzrle = (self.xbzrle + c.xbzrle_bytes).min(PAGE as u32 + 1);
+        self.xbzrle = (self.xbzrle + c.xbzrle_bytes).min(PAGE_SIZE as u32 + 1);
         self.zero = c.zero;
     }
 }
 
 /// Bytes to send a dirty page by `method`.
 fn cost(method: Method, d: &Dirty, granularity: u32) -> f64 {
-    let full = PAGE as f64 + RECORD_HEADER;
+    let full = PAGE_SIZE as f64 + RECORD_HEADER;
     let per_page = 4096 / granularity;
     match method {
         Method::Page if d.zero => RECORD_HEADER,
@@ -433,7 +434,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let pages = trace.setup.pages();
     let granularity = trace.setup.granularity;
     let clock = GuestClock::of(trace);
-    let full = PAGE as f64 + RECORD_HEADER;
+    let full = PAGE_SIZE as f64 + RECORD_HEADER;
     let mut state = ReplayState {
         cursor: Cursor::default(),
         faulted: vec![0u64; pages.div_ceil(64) as usize],

@@ -29,6 +29,24 @@ pub fn cmdline(workload: &str, args: &[(String, String)], tsc_khz: u32) -> Resul
     Ok(line)
 }
 
+/// A progress line of the guest (guest/README.md): `tsb ops=<u64>
+/// pass=<u64>`, possibly followed by more `key=value` fields.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProgressLine {
+    /// The workload's operations so far.
+    pub ops: u64,
+    /// Its passes over the working set.
+    pub pass: u64,
+}
+
+/// Reads a progress line; None for any other line.
+pub fn parse_progress(line: &str) -> Option<ProgressLine> {
+    let mut fields = line.strip_prefix("tsb ")?.split_ascii_whitespace();
+    let ops = fields.next()?.strip_prefix("ops=")?.parse().ok()?;
+    let pass = fields.next()?.strip_prefix("pass=")?.parse().ok()?;
+    Some(ProgressLine { ops, pass })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -40,5 +58,14 @@ mod tests {
         assert!(cmdline("nope", &[], 1).unwrap_err().contains("unknown workload 'nope'"));
         let bad = vec![("foo".to_string(), "1".to_string())];
         assert!(cmdline("kv", &bad, 1).unwrap_err().contains("unknown workload parameter 'foo'"));
+    }
+
+    #[test]
+    fn progress_lines() {
+        assert_eq!(parse_progress("tsb ops=12 pass=3"), Some(ProgressLine { ops: 12, pass: 3 }));
+        assert_eq!(parse_progress("tsb ops=12 pass=3 rd=4096 wr=0"), Some(ProgressLine { ops: 12, pass: 3 }));
+        assert_eq!(parse_progress("tsb ops=x pass=3"), None);
+        assert_eq!(parse_progress("tsb ops=1"), None);
+        assert_eq!(parse_progress("tsubame-guest: workload=kv"), None);
     }
 }

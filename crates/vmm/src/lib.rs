@@ -5,17 +5,21 @@
 //! The crate never decides policy (when to pause, what to send); the
 //! migration engine drives it.
 
+pub mod bitmap;
 pub mod boot;
+pub mod cpu_time;
 pub mod devices;
 mod dirty;
 pub mod guest_elf;
-pub mod host;
 pub mod kvm;
 pub mod memory;
+pub mod persist;
 pub mod vcpu;
 pub mod vm;
 
+pub use bitmap::DirtyBitmap;
 pub use devices::ConsoleLine;
 pub use memory::{GuestMemory, PAGE_SIZE};
+pub use persist::VmState;
 pub use vcpu::{VcpuState, VcpuStatus};
-pub use vm::{Vm, VmConfig, VmError, VmState};
+pub use vm::{Vm, VmConfig, VmError};

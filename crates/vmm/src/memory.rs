@@ -1,13 +1,20 @@
 //! Guest memory: one anonymous mapping per VM, registered as KVM slot 0 at
-//! guest physical address 0, and KVM's dirty log over it.
+//! guest physical address 0. Every write the VMM makes through it (device
+//! emulation, an arriving migration) marks its pages in the mapping's
+//! `AtomicBitmap`, which KVM's dirty log cannot see: [`take_vmm_dirty`]
+//! reads them for the migration's dirty set.
 
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
-/// Guest memory as the rust-vmm crates see it.
-pub type GuestMemory = vm_memory::GuestMemoryMmap<()>;
+use crate::bitmap::DirtyBitmap;
 
-/// The page size of guest memory and of the dirty log.
-pub const PAGE_SIZE: usize = 4096;
+/// Guest memory as the rust-vmm crates see it, with a bitmap of the pages
+/// the VMM wrote.
+pub type GuestMemory = vm_memory::GuestMemoryMmap<AtomicBitmap>;
+
+/// The page size of guest memory and of the dirty log: the codecs' page.
+pub use tsubame_codec::PAGE_SIZE;
 
 /// Smallest VM: the guest image sits at 1 MiB and its workloads need room.
 pub const MIN_MEMORY: u64 = 8 << 20;
@@ -110,6 +117,19 @@ pub fn page_is_zero(mem: &GuestMemory, index: u64) -> bool {
 /// Copies bytes into guest memory at `addr`.
 pub fn write(mem: &GuestMemory, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
     mem.write_slice(data, GuestAddress(addr)).map_err(|_| MemoryError::OutOfRange { addr, len: data.len() })
+}
+
+/// Takes the pages the VMM wrote into guest memory since the last call
+/// (clearing their marks): the part of the dirty set KVM does not log.
+pub fn take_vmm_dirty(mem: &GuestMemory) -> DirtyBitmap {
+    let mut dirty = DirtyBitmap::new(page_count(mem));
+    for region in mem.iter() {
+        // Regions start on page boundaries; ours is one region at 0.
+        let first_word = (region.start_addr().0 / PAGE_SIZE as u64 / 64) as usize;
+        let words = vm_memory::MmapRegion::bitmap(region).get_and_reset();
+        dirty.words_mut()[first_word..].iter_mut().zip(&words).for_each(|(a, b)| *a |= b);
+    }
+    dirty
 }
 
 /// Copies bytes out of guest memory at `addr`.

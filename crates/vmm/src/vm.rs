@@ -10,17 +10,18 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
+use crate::bitmap::DirtyBitmap;
 use crate::boot::{self, BootError};
 use crate::devices::ConsoleLine;
 use crate::dirty;
 use crate::kvm::{self, KvmError};
 use crate::memory::{self, GuestMemory, MemoryError};
+use crate::persist::VmState;
 use crate::vcpu::{
-    install_kick_handler, restore_state, save_state, VcpuError, VcpuRequest, VcpuRunner, VcpuShared, VcpuState,
-    VcpuStatus, VcpuThread, MAX_THROTTLE_PER_MILLE,
+    install_kick_handler, restore_state, save_state, VcpuError, VcpuRequest, VcpuRunner, VcpuShared, VcpuStatus,
+    VcpuThread, MAX_THROTTLE_PER_MILLE,
 };
 
 /// How long pause waits for a vCPU before calling it stuck.
@@ -69,17 +70,6 @@ pub struct VmConfig {
     pub memory_bytes: u64,
     /// Ask for transparent huge pages behind guest memory.
     pub hugepages: bool,
-}
-
-/// The whole migratable state of a VM apart from its memory.
-#[derive(Clone, Serialize, Deserialize)]
-pub struct VmState {
-    /// Guest memory size the state belongs to.
-    pub memory_bytes: u64,
-    /// TSC frequency the guest was calibrated for.
-    pub tsc_khz: u32,
-    /// One entry per vCPU.
-    pub vcpus: Vec<VcpuState>,
 }
 
 enum VcpuSlot {
@@ -345,6 +335,11 @@ impl Vm {
 
     /// Turns KVM's dirty page logging on or off for all of guest memory.
     pub fn set_dirty_logging(&self, on: bool) -> Result<(), VmError> {
+        if on {
+            // What the VMM wrote before (loading the guest, receiving it)
+            // is no news to a migration that starts with every page.
+            memory::take_vmm_dirty(&self.memory);
+        }
         for (slot, region) in self.memory.iter().enumerate() {
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
@@ -367,22 +362,26 @@ impl Vm {
         self.manual_dirty_protect
     }
 
-    /// Words of the dirty bitmap: one bit per page.
-    pub fn dirty_bitmap_words(&self) -> usize {
-        (memory::page_count(&self.memory) as usize).div_ceil(64)
+    /// An empty dirty bitmap of this VM's size.
+    pub fn dirty_bitmap(&self) -> DirtyBitmap {
+        DirtyBitmap::new(memory::page_count(&self.memory))
     }
 
-    /// Copies KVM's dirty bitmap (one bit per page, LSB first) into
-    /// `bitmap`, which must hold [`Vm::dirty_bitmap_words`] words. With
-    /// manual protect and logging just enabled, every bit starts set.
-    pub fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError> {
+    /// Fills `bitmap` with the dirty set: KVM's dirty log (one bit per
+    /// page) OR the pages the VMM wrote since the last call, which KVM
+    /// cannot see. With manual protect and logging just enabled, every bit
+    /// of KVM's log starts set; its bits stay set until
+    /// [`Vm::clear_dirty_log`], while the VMM's are taken (cleared) here.
+    pub fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError> {
         if !self.dirty_logging.load(std::sync::atomic::Ordering::Acquire) {
             return Err(VmError::WrongState("not logging dirty pages"));
         }
-        if bitmap.len() != self.dirty_bitmap_words() {
+        if bitmap.pages() != memory::page_count(&self.memory) {
             return Err(VmError::WrongState("given a dirty bitmap of the wrong size"));
         }
-        dirty::get_dirty_log(&self.fd, 0, bitmap).map_err(|e| VmError::Ioctl("KVM_GET_DIRTY_LOG", e))
+        dirty::get_dirty_log(&self.fd, 0, bitmap.words_mut()).map_err(|e| VmError::Ioctl("KVM_GET_DIRTY_LOG", e))?;
+        bitmap.union_with(&memory::take_vmm_dirty(&self.memory));
+        Ok(())
     }
 
     /// Clears the dirty bits in `mask` for the pages from `first_page` (a
@@ -393,7 +392,8 @@ impl Vm {
         if !self.manual_dirty_protect {
             return Ok(());
         }
-        if !first_page.is_multiple_of(64) || first_page / 64 + mask.len() as u64 > self.dirty_bitmap_words() as u64 {
+        let words = memory::page_count(&self.memory).div_ceil(64);
+        if !first_page.is_multiple_of(64) || first_page / 64 + mask.len() as u64 > words {
             return Err(VmError::WrongState("asked to clear dirty bits outside guest memory"));
         }
         dirty::clear_dirty_log(&self.fd, 0, first_page, mask).map_err(|e| VmError::Ioctl("KVM_CLEAR_DIRTY_LOG", e))

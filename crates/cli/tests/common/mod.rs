@@ -80,10 +80,10 @@ impl Drop for Proc {
 /// beyond the header), for the tests' man-in-the-middle proxies.
 pub fn read_raw_frame(
     from: &mut impl std::io::Read,
-) -> Option<([u8; tsubame_migrate::wire::FRAME_HEADER_LEN], tsubame_migrate::wire::FrameKind, Vec<u8>)> {
-    let mut header = [0u8; tsubame_migrate::wire::FRAME_HEADER_LEN];
+) -> Option<([u8; tsubame_migrate::protocol::FRAME_HEADER_LEN], tsubame_migrate::protocol::FrameKind, Vec<u8>)> {
+    let mut header = [0u8; tsubame_migrate::protocol::FRAME_HEADER_LEN];
     from.read_exact(&mut header).ok()?;
-    let (kind, len) = tsubame_migrate::wire::parse_header(&header).ok()?;
+    let (kind, len) = tsubame_migrate::protocol::parse_header(&header).ok()?;
     let mut payload = vec![0u8; len];
     from.read_exact(&mut payload).ok()?;
     Some((header, kind, payload))

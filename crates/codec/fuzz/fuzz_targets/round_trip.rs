@@ -4,12 +4,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE};
+use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 
 fuzz_target!(|data: &[u8]| {
     let list: CodecList = "zero,xbzrle=16K,dedup=8K,rle".parse().unwrap();
     let (mut enc, mut dec) = (PageEncoder::new(&list), PageDecoder::new(&list));
-    let mut pages = [[0u8; PAGE]; 6];
+    let mut pages = [[0u8; PAGE_SIZE]; 6];
     let mut out = Vec::new();
     for step in data.chunks(8) {
         let [which, op, rest @ ..] = step else { return };
@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
         match op % 4 {
             // Write the rest of the step at an offset.
             0 => {
-                let at = usize::from(*op) * 16 % (PAGE - 8);
+                let at = usize::from(*op) * 16 % (PAGE_SIZE - 8);
                 page[at..at + rest.len()].copy_from_slice(rest);
             }
             1 => page.fill(0),
@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
                 .enumerate()
                 .for_each(|(i, b)| *b = rest.get(i % rest.len().max(1)).copied().unwrap_or(0)),
         }
-        let mut back = [0u8; PAGE];
+        let mut back = [0u8; PAGE_SIZE];
         match enc.encode(index as u64, page, &mut out) {
             Encoded::Zero => dec.observe_zero(index as u64),
             Encoded::Raw => {

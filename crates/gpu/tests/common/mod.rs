@@ -1,7 +1,7 @@
 //! Test pages and the CPU reference, shared by the emulated and GPU tests.
 #![allow(dead_code)]
 
-use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE};
+use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::EncodedBatch;
 
 /// A deterministic generator (xorshift64*).
@@ -24,7 +24,7 @@ impl Rng {
 /// words, counters), kv-like (records with repeated keys and zero padding),
 /// and chunk-repeating (for dedup).
 pub fn page(rng: &mut Rng, kind: u64) -> Vec<u8> {
-    let mut p = vec![0u8; PAGE];
+    let mut p = vec![0u8; PAGE_SIZE];
     match kind % 5 {
         0 => {}
         1 => p.iter_mut().for_each(|b| *b = rng.next() as u8),
@@ -39,7 +39,7 @@ pub fn page(rng: &mut Rng, kind: u64) -> Vec<u8> {
         }
         3 => {
             let mut at = 0;
-            while at + 64 <= PAGE {
+            while at + 64 <= PAGE_SIZE {
                 let key = rng.below(16);
                 p[at..at + 8].copy_from_slice(&key.to_le_bytes());
                 let vlen = 8 + rng.below(40) as usize;
@@ -86,7 +86,7 @@ pub fn workload(seed: u64, pages: usize, rounds: usize) -> Vec<(Vec<u64>, Vec<u8
                 1 => p.fill(0),
                 _ => {
                     for _ in 0..rng.below(20) {
-                        let at = rng.below(PAGE as u64) as usize;
+                        let at = rng.below(PAGE_SIZE as u64) as usize;
                         p[at] = rng.next() as u8;
                     }
                 }
@@ -103,7 +103,7 @@ pub fn cpu_encode(enc: &mut PageEncoder, indices: &[u64], pages: &[u8]) -> Encod
     let mut b = EncodedBatch::default();
     let mut out = Vec::new();
     for (i, &index) in indices.iter().enumerate() {
-        let page: &[u8; PAGE] = pages[i * PAGE..(i + 1) * PAGE].try_into().unwrap();
+        let page: &[u8; PAGE_SIZE] = pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].try_into().unwrap();
         match enc.encode(index, page, &mut out) {
             Encoded::Zero => b.push(index, 1, &[]),
             Encoded::Raw => b.push(index, 0, page),
@@ -116,7 +116,7 @@ pub fn cpu_encode(enc: &mut PageEncoder, indices: &[u64], pages: &[u8]) -> Encod
 /// The CPU decoder's pages for a batch.
 pub fn cpu_decode(dec: &mut PageDecoder, b: &EncodedBatch) -> Vec<u8> {
     let mut pages = Vec::new();
-    let mut page = [0u8; PAGE];
+    let mut page = [0u8; PAGE_SIZE];
     for i in 0..b.len() {
         let (index, tag, rec) = b.record(i);
         dec.decode(index, tag, rec, &mut page).unwrap();

@@ -36,7 +36,7 @@ use rustls::{
 };
 
 use super::record::{alert_name, RecordFormat, TLS_MAX_CIPHERTEXT};
-use super::{Channel, Opener, Role, Sealer, SecureError};
+use super::{Opener, RecordLayer, Role, Sealer, SecureError};
 
 /// The TLS mode, for messages.
 pub const MODE_NAME: &str = "TLS certificates (--tls-cert, --tls-key, --tls-ca)";
@@ -142,23 +142,7 @@ impl TlsConfig {
     }
 }
 
-/// True for the first bytes of a TLS ClientHello record.
-pub fn is_client_hello(first: &[u8]) -> bool {
-    first.len() >= 3 && first[0] == 0x16 && first[1] == 0x03 && first[2] <= 0x04
-}
-
-/// The name a client checks the server's certificate against: the host
-/// of `tcp:HOST:PORT` (a DNS name or an IP address), `localhost` for a
-/// Unix socket.
-pub fn server_name(addr: &crate::transport::Address) -> String {
-    match addr {
-        crate::transport::Address::Tcp(hp) => {
-            let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
-            host.trim_start_matches('[').trim_end_matches(']').to_string()
-        }
-        crate::transport::Address::Unix(_) => "localhost".into(),
-    }
-}
+pub use crate::protocol::kind::is_tls_client_hello as is_client_hello;
 
 /// Runs the TLS 1.3 handshake over `io` as `role` (a client checks the
 /// server's certificate against `server_name`); returns the channel that
@@ -168,7 +152,7 @@ pub fn tls_handshake(
     config: &TlsConfig,
     role: Role,
     server_name: &str,
-) -> Result<Channel, SecureError> {
+) -> Result<RecordLayer, SecureError> {
     let mut conn: Connection = match role {
         Role::Client => {
             let name = ServerName::try_from(server_name.to_string()).map_err(|_| {
@@ -218,7 +202,7 @@ pub fn tls_handshake(
     };
     let (tx_key, tx_format, tx_seq) = half(secrets.tx)?;
     let (rx_key, rx_format, rx_seq) = half(secrets.rx)?;
-    Ok(Channel::from_halves(
+    Ok(RecordLayer::from_halves(
         Opener::with_format(&rx_key, rx_format, rx_seq),
         Sealer::with_format(&tx_key, tx_format, tx_seq),
     ))
@@ -258,13 +242,13 @@ fn read_record(
 ) -> Result<(), SecureError> {
     let mut record = vec![0u8; 5];
     io.read_exact(&mut record).map_err(closed)?;
-    if record[..5] == crate::wire::MAGIC[..5] || record[..5] == super::MAGIC[..5] {
-        let plain = record[..5] == crate::wire::MAGIC[..5];
+    if record[..5] == crate::protocol::MAGIC[..5] || record[..5] == super::MAGIC[..5] {
+        let plain = record[..5] == crate::protocol::MAGIC[..5];
         if role == Role::Server {
             // Take the rest of its greeting (so closing does not reset the
             // connection under our answer), then tell the tsubame peer why
             // in the greeting it understands.
-            let rest = if plain { crate::wire::PREAMBLE_LEN } else { super::HELLO_LEN } - 5;
+            let rest = if plain { crate::protocol::PREAMBLE_LEN } else { super::HELLO_LEN } - 5;
             let _ = io.read_exact(&mut vec![0u8; rest]);
             let mut hello = [0u8; super::HELLO_LEN];
             hello[..8].copy_from_slice(&super::MAGIC);
@@ -496,7 +480,10 @@ mod tests {
         let config = ca.config(&ca);
         // A plain source and a pre-shared-key source at a TLS destination.
         for (greeting, expected) in [
-            (&crate::wire::MAGIC[..], "the peer did not start a secure handshake (it sent a plain migration preamble)"),
+            (
+                &crate::protocol::MAGIC[..],
+                "the peer did not start a secure handshake (it sent a plain migration preamble)",
+            ),
             (&super::super::MAGIC[..], "the peer wants a pre-shared key (--psk-file) and this end uses TLS"),
         ] {
             let (mut x, mut y) = UnixStream::pair().unwrap();

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use tsubame_vmm::memory::GuestMemory;
-use tsubame_vmm::{VcpuStatus, Vm, VmError};
+use tsubame_vmm::{DirtyBitmap, VcpuStatus, Vm, VmError};
 
 /// A migratable memory with a dirty log.
 pub trait SourceVm: Sync {
@@ -21,10 +21,11 @@ pub trait SourceVm: Sync {
     /// True when [`SourceVm::dirty_log`] leaves bits set until
     /// [`SourceVm::clear_dirty_log`] (KVM's manual protect).
     fn manual_dirty_protect(&self) -> bool;
-    /// Words of a dirty bitmap.
-    fn dirty_bitmap_words(&self) -> usize;
-    /// Fetches the dirty bitmap.
-    fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError>;
+    /// An empty bitmap of the memory's size.
+    fn dirty_bitmap(&self) -> DirtyBitmap;
+    /// Fills `bitmap` with the dirty set (KVM's log and the VMM's own
+    /// writes).
+    fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError>;
     /// Clears (re-protects) these bits, starting at `first_page`.
     fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError>;
     /// Stops the guest.
@@ -54,10 +55,10 @@ impl SourceVm for Vm {
     fn manual_dirty_protect(&self) -> bool {
         Vm::manual_dirty_protect(self)
     }
-    fn dirty_bitmap_words(&self) -> usize {
-        Vm::dirty_bitmap_words(self)
+    fn dirty_bitmap(&self) -> DirtyBitmap {
+        Vm::dirty_bitmap(self)
     }
-    fn dirty_log(&self, bitmap: &mut [u64]) -> Result<(), VmError> {
+    fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError> {
         Vm::dirty_log(self, bitmap)
     }
     fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError> {
@@ -70,7 +71,7 @@ impl SourceVm for Vm {
         Vm::resume(self)
     }
     fn state_blob(&self) -> Result<Vec<u8>, VmError> {
-        Ok(postcard::to_stdvec(&self.save_state()?).expect("VM state serializes"))
+        Ok(self.save_state()?.encode())
     }
     fn set_throttle(&self, fraction: f64) {
         Vm::set_throttle(self, fraction)

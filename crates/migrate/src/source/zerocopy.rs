@@ -21,11 +21,11 @@ use std::io;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
-use crate::pages::{PAGES_HEADER, RECORD_HEADER};
-use crate::wire::FRAME_HEADER_LEN;
 use tsubame_vmm::PAGE_SIZE;
+
+use crate::protocol::pages::walk_record_headers;
+use crate::protocol::FRAME_HEADER_LEN;
+use crate::stats::ZeroCopyStats;
 
 // From the kernel's uapi headers (asm-generic/socket.h, linux/errqueue.h);
 // the libc crate lacks them.
@@ -61,30 +61,6 @@ impl GuestPages {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("page {index} is outside guest memory")));
         }
         Ok(libc::iovec { iov_base: self.base.wrapping_add(offset) as *mut libc::c_void, iov_len: PAGE_SIZE })
-    }
-}
-
-/// Counters of zero-copy sends, for the statistics' `pipeline` field.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct ZeroCopyStats {
-    /// `sendmsg` calls with `MSG_ZEROCOPY`.
-    pub sends: u64,
-    /// Bytes they carried.
-    pub bytes: u64,
-    /// Of the sends, those whose completion arrived.
-    pub completed: u64,
-    /// Of the completed, those the kernel copied after all (always so over
-    /// loopback, where no NIC reads the pages).
-    pub copied: u64,
-}
-
-impl ZeroCopyStats {
-    /// Adds another channel's counters.
-    pub fn add(&mut self, other: &ZeroCopyStats) {
-        self.sends += other.sends;
-        self.bytes += other.bytes;
-        self.completed += other.completed;
-        self.copied += other.copied;
     }
 }
 
@@ -132,7 +108,7 @@ unsafe impl Send for ZeroCopySender {}
 impl ZeroCopySender {
     /// Sends zero-copy frames: `frames` holds, for each frame, its header,
     /// the PAGES header and the record headers of raw and zero pages (as
-    /// [`crate::pipeline::ShardEncoder`] builds them); the pages themselves
+    /// [`super::encode::ShardEncoder`] builds them); the pages themselves
     /// come from `guest`. `pace(n)` is called before `n` bytes go out. The
     /// buffer is held until its sends complete: see [`Self::settle`].
     pub fn send(&mut self, fd: RawFd, frames: Vec<u8>, guest: &GuestPages, pace: &dyn Fn(usize)) -> io::Result<()> {
@@ -168,23 +144,23 @@ impl ZeroCopySender {
     fn send_frames(&mut self, fd: RawFd, frames: &[u8], guest: &GuestPages, pace: &dyn Fn(usize)) -> io::Result<()> {
         let mut at = 0;
         while at < frames.len() {
-            let head = frames.get(at..at + FRAME_HEADER_LEN + PAGES_HEADER).ok_or_else(malformed)?;
-            let count = u32::from_le_bytes(head[FRAME_HEADER_LEN + 8..][..4].try_into().unwrap()) as usize;
-            let end = at + FRAME_HEADER_LEN + PAGES_HEADER + count * RECORD_HEADER;
-            let headers = frames.get(at..end).ok_or_else(malformed)?;
+            let frame = frames.get(at + FRAME_HEADER_LEN..).ok_or_else(malformed)?;
+            // The frame header and the PAGES and record headers go out as
+            // they are, each raw page spliced in after its record header.
+            let mut splices = Vec::new();
+            let len = walk_record_headers(frame, |end, index, data_len| splices.push((end, index, data_len)))
+                .ok_or_else(malformed)?;
+            let headers = &frames[at..at + FRAME_HEADER_LEN + len];
             self.iov.clear();
             let mut from = 0;
             let mut total = 0;
-            for r in 0..count {
-                let record = FRAME_HEADER_LEN + PAGES_HEADER + r * RECORD_HEADER;
-                let index = u64::from_le_bytes(headers[record..record + 8].try_into().unwrap());
-                let len = u32::from_le_bytes(headers[record + 9..record + 13].try_into().unwrap()) as usize;
-                match len {
+            for (end, index, data_len) in splices {
+                match data_len {
                     0 => continue, // a zero record: its header is all
                     PAGE_SIZE => {}
                     _ => return Err(malformed()),
                 }
-                let upto = record + RECORD_HEADER;
+                let upto = FRAME_HEADER_LEN + end;
                 self.iov.push(iovec(&headers[from..upto]));
                 self.iov.push(guest.iovec(index)?);
                 total += upto - from + PAGE_SIZE;
@@ -196,7 +172,7 @@ impl ZeroCopySender {
             }
             pace(total);
             self.send_all(fd, total)?;
-            at = end;
+            at += headers.len();
         }
         Ok(())
     }

@@ -1,18 +1,30 @@
-//! Page records inside PAGES frames.
+//! The page records inside PAGES, PAGES_COMPRESSED and PAGES_ZEROCOPY
+//! frames: the one place their layout is written and read.
 //!
-//! Payload: `iteration u32, shard u16, reserved u16, count u32`, then
+//! PAGES payload: `iteration u32, shard u16, reserved u16, count u32`, then
 //! `count` records of `page_index u64, encoding u8, length u32, data[length]`.
+//! PAGES_COMPRESSED payload: `shard u16, compressor u8, unpacked_len u32`,
+//! then a PAGES payload compressed by lz4 or zstd. PAGES_ZEROCOPY: a PAGES
+//! payload whose raw pages were spliced in from guest memory after the
+//! headers were written (its CRC covers the headers only).
 
-use crate::wire::{Fields, FrameKind, WireError};
+use tsubame_codec::PAGE_SIZE;
+
+use super::fields::Fields;
+use super::kind::{FrameKind, WireError};
 
 /// Bytes of a PAGES payload's header.
 pub const PAGES_HEADER: usize = 12;
 /// Bytes of a record's header.
 pub const RECORD_HEADER: usize = 13;
-/// Page size of records.
-pub const PAGE: usize = 4096;
 /// Most records in one PAGES frame.
 pub const MAX_RECORDS: u32 = 4096;
+/// Page records a source packs into one PAGES frame.
+pub const RECORDS_PER_FRAME: usize = 256;
+/// Largest PAGES payload inside a PAGES_COMPRESSED frame: a source packs
+/// at most 256 records (~1 MiB) per frame, so 2 MiB bounds what each
+/// decoder holds for unpacking.
+pub const MAX_UNPACKED: usize = 2 << 20;
 
 /// How a record's data encodes the page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +86,7 @@ pub struct PagesBuilder {
 impl PagesBuilder {
     /// An empty batch with room for `capacity_pages` raw pages.
     pub fn new(capacity_pages: usize) -> Self {
-        PagesBuilder { buf: Vec::with_capacity(PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE)), count: 0 }
+        PagesBuilder { buf: Vec::with_capacity(PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE_SIZE)), count: 0 }
     }
 
     /// Starts a new batch of `iteration` for codec `shard`, keeping the allocation.
@@ -174,21 +186,21 @@ pub fn for_each_record<'a>(
         })?;
         let len = f.u32()? as usize;
         let expected = match encoding {
-            Encoding::Raw => PAGE,
+            Encoding::Raw => PAGE_SIZE,
             Encoding::Zero => 0,
             // Codec records: at most a page and the dedup header; the
             // codec's decoder checks the contents.
-            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup if len <= PAGE + 2 => len,
-            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => PAGE + 2,
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup if len <= PAGE_SIZE + 2 => len,
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => PAGE_SIZE + 2,
             Encoding::Subpage => {
                 let mask_bytes = f.rest().get(..8).ok_or(WireError::Truncated(FrameKind::Pages))?;
                 let mask = u64::from_le_bytes(mask_bytes.try_into().unwrap());
-                let per_page = PAGE / granularity;
-                if granularity == PAGE || mask == 0 || (per_page < 64 && mask >> per_page != 0) {
-                    return Err(WireError::BadField {
-                        field: "pages.subpage_mask",
-                        detail: format!("{mask:#x} for page {page_index} at granularity {granularity}"),
-                    });
+                let per_page = PAGE_SIZE / granularity;
+                if granularity == PAGE_SIZE || mask == 0 || (per_page < 64 && mask >> per_page != 0) {
+                    return Err(WireError::bad(
+                        "pages.subpage_mask",
+                        format!("{mask:#x} for page {page_index} at granularity {granularity}"),
+                    ));
                 }
                 8 + mask.count_ones() as usize * granularity
             }
@@ -218,17 +230,74 @@ pub fn for_each_subpage(data: &[u8], granularity: usize, mut write: impl FnMut(u
     }
 }
 
-/// Pages set in a bitmap (one bit per page).
-pub fn count_pages(bitmap: &[u64]) -> u64 {
-    bitmap.iter().map(|w| w.count_ones() as u64).sum()
+/// The header of a PAGES_COMPRESSED payload; the compressed PAGES payload
+/// follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompressedHeader {
+    /// The codec shard of the PAGES payload inside.
+    pub shard: u16,
+    /// The batch compressor's id (`tsubame_codec::batch`).
+    pub compressor: u8,
+    /// Bytes of the PAGES payload once decompressed.
+    pub unpacked_len: u32,
 }
 
-/// True when the page is all zeros.
-pub fn is_zero_page(page: &[u8]) -> bool {
-    // OR of 8-byte words, no early exit: the compiler vectorizes it.
-    let words = page.chunks_exact(8);
-    let tail = words.remainder().iter().fold(0u8, |acc, &b| acc | b);
-    words.fold(0u64, |acc, w| acc | u64::from_ne_bytes(w.try_into().unwrap())) == 0 && tail == 0
+impl CompressedHeader {
+    /// Bytes of the header.
+    pub const LEN: usize = 7;
+
+    /// Appends the header; the compressed bytes go right after it.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.shard.to_le_bytes());
+        out.push(self.compressor);
+        out.extend_from_slice(&self.unpacked_len.to_le_bytes());
+    }
+
+    /// Splits a PAGES_COMPRESSED payload into its header and the compressed
+    /// bytes; the unpacked length is checked against [`MAX_UNPACKED`].
+    pub fn parse(payload: &[u8]) -> Result<(CompressedHeader, &[u8]), WireError> {
+        let mut f = Fields::new(FrameKind::PagesCompressed, payload);
+        let header = CompressedHeader { shard: f.u16()?, compressor: f.u8()?, unpacked_len: f.u32()? };
+        if header.unpacked_len as usize > MAX_UNPACKED {
+            return Err(WireError::bad(
+                "pages_compressed.unpacked_len",
+                format!("{} (at most {MAX_UNPACKED})", header.unpacked_len),
+            ));
+        }
+        Ok((header, f.rest()))
+    }
+}
+
+/// Walks a headers-only PAGES payload (as a zero-copy sender builds it:
+/// the PAGES header, then every record's header back to back, the data
+/// travelling separately). Calls `record(end, page_index, data_len)` for
+/// each record, `end` being the offset just past its header; returns the
+/// length of the headers, or None when `headers` is shorter than they are.
+pub fn walk_record_headers(headers: &[u8], mut record: impl FnMut(usize, u64, usize)) -> Option<usize> {
+    let count = u32::from_le_bytes(headers.get(8..12)?.try_into().unwrap()) as usize;
+    let len = PAGES_HEADER + count.min(MAX_RECORDS as usize) * RECORD_HEADER;
+    let headers = headers.get(..len)?;
+    for at in (PAGES_HEADER..len).step_by(RECORD_HEADER) {
+        let index = u64::from_le_bytes(headers[at..at + 8].try_into().unwrap());
+        let data_len = u32::from_le_bytes(headers[at + 9..at + 13].try_into().unwrap()) as usize;
+        record(at + RECORD_HEADER, index, data_len);
+    }
+    Some(len)
+}
+
+/// Calls `covered` with each part of a PAGES_ZEROCOPY payload its CRC
+/// covers: the PAGES header and every record header, skipping record data.
+/// None when the records run past the payload.
+pub fn zero_copy_covered(payload: &[u8], mut covered: impl FnMut(&[u8])) -> Option<()> {
+    covered(payload.get(..PAGES_HEADER)?);
+    let count = u32::from_le_bytes(payload[8..12].try_into().unwrap());
+    let mut at = PAGES_HEADER;
+    for _ in 0..count.min(MAX_RECORDS) {
+        let record = payload.get(at..at + RECORD_HEADER)?;
+        covered(record);
+        at += RECORD_HEADER + u32::from_le_bytes(record[9..13].try_into().unwrap()) as usize;
+    }
+    Some(())
 }
 
 #[cfg(test)]
@@ -239,17 +308,17 @@ mod tests {
     fn records_round_trip() {
         let mut b = PagesBuilder::new(2);
         b.reset(3, 0);
-        let page = [7u8; PAGE];
+        let page = [7u8; PAGE_SIZE];
         b.push(5, Encoding::Raw, &page);
         b.push(9, Encoding::Zero, &[]);
         let mut seen = Vec::new();
-        let it = for_each_record(b.payload(), 10, PAGE, |r| {
+        let it = for_each_record(b.payload(), 10, PAGE_SIZE, |r| {
             seen.push((r.page_index, r.encoding, r.data.len()));
             Ok(())
         })
         .unwrap();
         assert_eq!(it, 3);
-        assert_eq!(seen, vec![(5, Encoding::Raw, PAGE), (9, Encoding::Zero, 0)]);
+        assert_eq!(seen, vec![(5, Encoding::Raw, PAGE_SIZE), (9, Encoding::Zero, 0)]);
     }
 
     #[test]
@@ -257,20 +326,23 @@ mod tests {
         let mut b = PagesBuilder::new(1);
         b.reset(0, 0);
         b.push(10, Encoding::Zero, &[]);
-        let err = for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err();
+        let err = for_each_record(b.payload(), 10, PAGE_SIZE, |_| Ok(())).unwrap_err();
         assert!(err.to_string().contains("pages.page_index"), "{err}");
 
         b.reset(0, 0);
         b.push(1, Encoding::Raw, &[1, 2, 3]);
-        assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.length"));
+        assert!(for_each_record(b.payload(), 10, PAGE_SIZE, |_| Ok(()))
+            .unwrap_err()
+            .to_string()
+            .contains("pages.length"));
 
         b.reset(0, 0);
         b.push(1, Encoding::Zero, &[]);
         let mut bytes = b.payload().to_vec();
         bytes[20] = 77; // encoding byte
-        assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
+        assert!(for_each_record(&bytes, 10, PAGE_SIZE, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
         bytes[8..12].copy_from_slice(&5u32.to_le_bytes()); // claims 5 records
-        assert!(for_each_record(&bytes, 10, PAGE, |_| Ok(())).is_err());
+        assert!(for_each_record(&bytes, 10, PAGE_SIZE, |_| Ok(())).is_err());
     }
 
     #[test]
@@ -298,15 +370,6 @@ mod tests {
         assert!(for_each_record(b.payload(), 10, 128, |_| Ok(())).unwrap_err().to_string().contains("subpage_mask"));
         b.reset(0, 0);
         b.push(2, Encoding::Subpage, &data);
-        assert!(for_each_record(b.payload(), 10, PAGE, |_| Ok(())).is_err());
-    }
-
-    #[test]
-    fn zero_detection() {
-        let mut page = vec![0u8; PAGE];
-        assert!(is_zero_page(&page));
-        page[4095] = 1;
-        assert!(!is_zero_page(&page));
-        assert!(is_zero_page(&page[1..4095]));
+        assert!(for_each_record(b.payload(), 10, PAGE_SIZE, |_| Ok(())).is_err());
     }
 }

@@ -1,0 +1,168 @@
+//! Applying pages: each shard's decoder ([`ShardWorker`]) unpacks and
+//! decodes its frames in order and writes the pages into guest memory.
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use crossbeam_channel::Receiver;
+use tsubame_codec::batch::BatchDecompressor;
+use tsubame_codec::PageDecoder;
+use tsubame_vmm::memory::{self, GuestMemory};
+use tsubame_vmm::PAGE_SIZE;
+use vm_memory::bitmap::AtomicBitmap;
+
+use super::dispatch::{ShardWork, Shared};
+use super::ReceiveError;
+use crate::buffer_budget::recycle;
+use crate::protocol::pages::{for_each_record, for_each_subpage, shard_of, CompressedHeader, Encoding, MAX_UNPACKED};
+use crate::protocol::{FrameKind, WireError};
+
+/// Pages ever written by an arriving migration: a zero record for an
+/// untouched page writes nothing, so fresh memory stays unbacked. (Pages
+/// written since the digest last hashed them are marked by guest memory
+/// itself: [`memory::take_vmm_dirty`].)
+pub(super) struct PageMarks {
+    touched: AtomicBitmap,
+}
+
+impl PageMarks {
+    pub(super) fn new(pages: u64) -> PageMarks {
+        let page_size = NonZeroUsize::new(PAGE_SIZE).expect("a page is bytes");
+        PageMarks { touched: AtomicBitmap::new(pages as usize * PAGE_SIZE, page_size) }
+    }
+
+    fn touch(&self, index: u64) {
+        self.touched.set_bit(index as usize);
+    }
+
+    fn touched(&self, index: u64) -> bool {
+        self.touched.is_bit_set(index as usize)
+    }
+}
+
+/// Decompresses a PAGES_COMPRESSED payload into `out`, never past the
+/// frame size limit. The decompressor keeps its context: creating a zstd
+/// context per batch cost ~1 ms each.
+fn unpack(frame: &[u8], decompressor: &mut BatchDecompressor, out: &mut Vec<u8>) -> Result<(), ReceiveError> {
+    let (header, packed) = CompressedHeader::parse(frame)?;
+    decompressor
+        .decompress(header.compressor, packed, header.unpacked_len as usize, MAX_UNPACKED, out)
+        .map_err(|e| WireError::bad("pages_compressed", e.to_string()))?;
+    if shard_of(FrameKind::Pages, out)? != header.shard {
+        return Err(WireError::bad("pages.shard", "differs from its PAGES_COMPRESSED frame").into());
+    }
+    Ok(())
+}
+
+/// Writes the records of a PAGES frame into guest memory (whose bitmap
+/// marks them for the digest). Codec records are decoded, and the codecs'
+/// caches see every page as the sender's did.
+fn apply_pages(
+    frame: &[u8],
+    mem: &GuestMemory,
+    granularity: usize,
+    marks: &PageMarks,
+    decoder: &mut PageDecoder,
+) -> Result<(), ReceiveError> {
+    let page_count = memory::page_count(mem);
+    let zero_page = [0u8; PAGE_SIZE];
+    let mut page = [0u8; PAGE_SIZE];
+    for_each_record(frame, page_count, granularity, |record| {
+        let index = record.page_index;
+        let addr = index * PAGE_SIZE as u64;
+        let result = match record.encoding {
+            Encoding::Raw => {
+                marks.touch(index);
+                page.copy_from_slice(record.data);
+                decoder.observe(index, &page);
+                memory::write(mem, addr, record.data)
+            }
+            Encoding::Zero => {
+                decoder.observe_zero(index);
+                if marks.touched(index) {
+                    memory::write(mem, addr, &zero_page)
+                } else {
+                    Ok(())
+                }
+            }
+            Encoding::Subpage => {
+                marks.touch(index);
+                let mut result = Ok(());
+                for_each_subpage(record.data, granularity, |offset, bytes| {
+                    if result.is_ok() {
+                        result = memory::write(mem, addr + offset as u64, bytes);
+                    }
+                });
+                result
+            }
+            Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => {
+                marks.touch(index);
+                let tag = record.encoding.codec_tag().expect("codec encodings have tags");
+                if let Err(e) = decoder.decode(index, tag, record.data, &mut page) {
+                    return Err(WireError::BadField { field: "pages.codec_record", detail: e.to_string() });
+                }
+                memory::write(mem, addr, &page)
+            }
+        };
+        result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
+    })?;
+    Ok(())
+}
+
+/// One shard's decoder: decodes and applies its frames in order.
+pub(super) struct ShardWorker {
+    shard: u16,
+    mem: Arc<GuestMemory>,
+    granularity: usize,
+    marks: Arc<PageMarks>,
+    decoder: PageDecoder,
+    shared: Arc<Shared>,
+}
+
+impl ShardWorker {
+    /// The decoder of `shard`, writing into `mem`.
+    pub(super) fn new(
+        shard: u16,
+        mem: Arc<GuestMemory>,
+        granularity: usize,
+        marks: Arc<PageMarks>,
+        decoder: PageDecoder,
+        shared: Arc<Shared>,
+    ) -> ShardWorker {
+        ShardWorker { shard, mem, granularity, marks, decoder, shared }
+    }
+
+    pub(super) fn run(mut self, input: Receiver<ShardWork>) {
+        let mut decompressor = BatchDecompressor::default();
+        let mut unpacked = Vec::new();
+        while let Ok(work) = input.recv() {
+            let result = match work {
+                ShardWork::Frame { kind, mut payload, pool, lease } => {
+                    let r = if kind == FrameKind::PagesCompressed {
+                        unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| {
+                            apply_pages(&unpacked, &self.mem, self.granularity, &self.marks, &mut self.decoder)
+                        })
+                    } else {
+                        apply_pages(&payload, &self.mem, self.granularity, &self.marks, &mut self.decoder)
+                    };
+                    recycle(&mut payload);
+                    recycle(&mut unpacked);
+                    let _ = pool.send(payload);
+                    drop(lease);
+                    r
+                }
+                ShardWork::End(iteration) => {
+                    let mut applied = self.shared.applied.lock().unwrap();
+                    let slot = &mut applied[self.shard as usize];
+                    *slot = (*slot).max(iteration + 1);
+                    self.shared.changed.notify_all();
+                    Ok(())
+                }
+            };
+            if let Err(e) = result {
+                self.shared.fail(e);
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! The receiving side: accept one stream, build the VM from it, verify,
+//! and resume the guest only when the source commits. docs/architecture.md
+//! follows a page through these files: [`dispatch`] reads channels and
+//! hands frames to the decoders in [`apply`]; [`receiver`] is the state
+//! machine on channel 0; [`landing`] is where the VM lands.
+//!
+//! Every byte from the peer is checked before use (crate::protocol); on
+//! any failure the half-built VM is dropped and the source told why.
+
+mod apply;
+mod dispatch;
+pub mod landing;
+mod receiver;
+
+use std::io::{BufReader, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tsubame_vmm::Vm;
+
+pub use landing::{Landing, MemoryLanding};
+
+use self::dispatch::{ChannelSource, Counted};
+use self::landing::VmLanding;
+use self::receiver::StreamReceiver;
+use crate::protocol::{self, ErrorMessage, FrameKind, Resumed, WireError};
+use crate::stats::process_cpu_seconds;
+use crate::transport::{Listener, Stream, TransportError};
+
+/// What the receiver may insist on.
+#[derive(Debug, Clone)]
+pub struct ReceiveOptions {
+    /// Refuse a VM whose memory size differs.
+    pub expect_memory: Option<u64>,
+    /// Give up when the source is silent this long.
+    pub io_timeout: Duration,
+    /// Back guest memory with transparent huge pages.
+    pub hugepages: bool,
+    /// What the source's extra channels must pass (channel 0 is
+    /// protected by whoever accepted it).
+    pub security: crate::transport::Security,
+    /// Frame bytes held at once across all channels and decoders; a peer
+    /// that sends faster than they decode waits (docs/security.md).
+    pub in_flight_limit: usize,
+}
+
+impl Default for ReceiveOptions {
+    fn default() -> Self {
+        ReceiveOptions {
+            expect_memory: None,
+            io_timeout: Duration::from_secs(30),
+            hugepages: true,
+            security: Default::default(),
+            in_flight_limit: crate::buffer_budget::IN_FLIGHT_LIMIT,
+        }
+    }
+}
+
+/// Why an incoming migration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// Accepting.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The stream.
+    #[error("migration stream: {0}")]
+    Wire(#[from] WireError),
+    /// Building the VM.
+    #[error("VM: {0}")]
+    Vm(#[from] tsubame_vmm::VmError),
+    /// The source's setup does not fit this destination.
+    #[error("{0}")]
+    Mismatch(String),
+    /// A receiving thread stopped (another failed first and says why).
+    #[error("a receiving thread stopped")]
+    ThreadStopped,
+    /// The source gave up and said why.
+    #[error("source aborted: {0}")]
+    SourceAborted(String),
+    /// The memory does not match the source's digest.
+    #[error("memory digest mismatch in {count} of {total} regions (first at byte {first:#x})")]
+    DigestMismatch {
+        /// Regions that differ.
+        count: usize,
+        /// Regions compared.
+        total: usize,
+        /// Address of the first differing region.
+        first: u64,
+    },
+    /// The VM state blob did not decode.
+    #[error("VM state frame does not decode: {0}")]
+    BadState(String),
+    /// An extra channel failed.
+    #[error("channel {channel}: {source}")]
+    Channel {
+        /// Which channel.
+        channel: u16,
+        /// What went wrong on it.
+        source: Box<ReceiveError>,
+    },
+}
+
+impl From<std::io::Error> for ReceiveError {
+    fn from(e: std::io::Error) -> Self {
+        ReceiveError::Wire(WireError::Io(e))
+    }
+}
+
+/// A VM that arrived and runs here now.
+pub struct Incoming {
+    /// The running VM.
+    pub vm: Vm,
+    /// Iterations received (stop-and-copy included).
+    pub iterations: u32,
+    /// Bytes read from the stream (every channel).
+    pub bytes: u64,
+    /// CPU-seconds this process spent from connection to resume.
+    pub cpu_seconds: f64,
+    /// Connection to resume.
+    pub duration: Duration,
+}
+
+/// Accepts one connection and receives a VM over it (and over the extra
+/// channels it announces, accepted from the same listener). `log` hears
+/// the milestones (for the CLI's stderr).
+pub fn receive(listener: &Listener, options: &ReceiveOptions, log: &dyn Fn(&str)) -> Result<Incoming, ReceiveError> {
+    let stream = listener.accept()?;
+    receive_on(stream, Some(listener), options, log)
+}
+
+/// Receives a VM over an accepted connection; extra channels, if the
+/// source asks for them, come from `listener`.
+pub fn receive_on(
+    stream: Stream,
+    listener: Option<&Listener>,
+    options: &ReceiveOptions,
+    log: &dyn Fn(&str),
+) -> Result<Incoming, ReceiveError> {
+    let mut landing = VmLanding { vm: None, hugepages: options.hugepages };
+    let received = receive_into(stream, listener, options, log, &mut landing)?;
+    Ok(Incoming {
+        vm: landing.vm.expect("a received VM exists"),
+        iterations: received.iterations,
+        bytes: received.bytes,
+        cpu_seconds: received.cpu_seconds,
+        duration: received.duration,
+    })
+}
+
+/// What a receive cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Received {
+    /// Iterations received (stop-and-copy included).
+    pub iterations: u32,
+    /// Bytes read from the stream (every channel).
+    pub bytes: u64,
+    /// CPU-seconds this process spent from connection to resume.
+    pub cpu_seconds: f64,
+    /// Connection to resume.
+    pub duration: Duration,
+}
+
+/// Receives over an accepted connection into `landing` (a VM, or plain
+/// memory for `receive --memory-only`).
+pub fn receive_into(
+    stream: Stream,
+    listener: Option<&Listener>,
+    options: &ReceiveOptions,
+    log: &dyn Fn(&str),
+    landing: &mut dyn Landing,
+) -> Result<Received, ReceiveError> {
+    let started = Instant::now();
+    let cpu_start = process_cpu_seconds();
+    stream.set_read_timeout(Some(options.io_timeout))?;
+    let mut writer = stream.try_clone()?;
+    let bytes = Arc::new(AtomicU64::new(0));
+    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream.try_clone()?), bytes: bytes.clone() };
+    let channels = ChannelSource { listener, first: stream, bytes: bytes.clone() };
+    let result = StreamReceiver::new(options, log).run(&mut reader, &mut writer, landing, Some(&channels));
+    match result {
+        Ok(iterations) => {
+            let cpu = process_cpu_seconds() - cpu_start;
+            // Tell the source we run, and what it cost us.
+            let resumed = Resumed { cpu_micros: (cpu * 1e6) as u64 };
+            let _ =
+                protocol::write_frame(&mut writer, FrameKind::Resumed, &resumed.encode()).and_then(|_| writer.flush());
+            Ok(Received {
+                iterations,
+                bytes: bytes.load(Ordering::Relaxed),
+                cpu_seconds: cpu,
+                duration: started.elapsed(),
+            })
+        }
+        Err(e) => {
+            if !matches!(e, ReceiveError::SourceAborted(_)) {
+                let payload = ErrorMessage(e.to_string()).encode();
+                let _ = protocol::write_frame(&mut writer, FrameKind::Error, &payload).and_then(|_| writer.flush());
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Runs the receiver's state machine over one byte stream into `landing`
+/// (no extra channels): the fuzz target's entry, and tests'.
+pub fn receive_stream(
+    reader: &mut impl Read,
+    writer: &mut impl Write,
+    landing: &mut dyn Landing,
+    options: &ReceiveOptions,
+) -> Result<u32, ReceiveError> {
+    StreamReceiver::new(options, &|_| {}).run(reader, writer, landing, None)
+}

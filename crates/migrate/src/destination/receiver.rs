@@ -1,0 +1,324 @@
+//! The receiver's state machine ([`ReceiverState`]) over channel 0: HELLO,
+//! the pre-copy iterations, STATE, the digest check and its repair passes,
+//! READY, COMMIT. Page frames go to the shard decoders through
+//! [`Dispatcher`]; extra channels are read by their own threads.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+use crossbeam_channel::bounded;
+use tsubame_codec::{CodecList, PageDecoder};
+use tsubame_vmm::memory::{self, GuestMemory};
+
+use super::apply::{PageMarks, ShardWorker};
+use super::dispatch::{channel_loop, stopped, ChannelSource, Dispatcher, ShardWork, Shared};
+use super::landing::Landing;
+use super::{ReceiveError, ReceiveOptions};
+use crate::buffer_budget::{recycle, BufferBudget, Lease};
+use crate::digest::BackgroundDigest;
+use crate::protocol::messages::expect_empty;
+use crate::protocol::{
+    self, shard_codecs, Digest, ErrorMessage, FrameKind, Hello, Mismatch, ReceiverState, ShardLayout, WireError,
+    MAX_REPAIR_ROUNDS,
+};
+
+/// A frame buffer whose payload bytes are reserved from the receive's
+/// [`BufferBudget`] while the frame is held.
+pub(super) struct LeasedFrame {
+    pub(super) buf: Vec<u8>,
+    pub(super) lease: Option<Lease>,
+    pub(super) budget: Arc<BufferBudget>,
+    pub(super) stopped: Arc<AtomicBool>,
+}
+
+impl LeasedFrame {
+    pub(super) fn new(budget: Arc<BufferBudget>, stopped: Arc<AtomicBool>) -> LeasedFrame {
+        LeasedFrame { buf: Vec::new(), lease: None, budget, stopped }
+    }
+
+    /// Reads the next frame, giving back the previous one's bytes first.
+    pub(super) fn read(&mut self, r: &mut impl Read) -> Result<FrameKind, ReceiveError> {
+        self.lease = None;
+        recycle(&mut self.buf);
+        let (budget, stop, lease) = (&self.budget, &self.stopped, &mut self.lease);
+        protocol::read_frame_reserving(r, &mut self.buf, |len| {
+            *lease = budget.reserve(len, &|| stop.load(Ordering::Acquire));
+            lease.as_ref().map(|_| ()).ok_or_else(stopped)
+        })
+    }
+}
+
+/// Frame buffers each channel keeps in flight.
+const BUFFERS_PER_CHANNEL: usize = 8;
+
+/// The receiving end of one migration.
+pub(super) struct StreamReceiver<'a> {
+    options: &'a ReceiveOptions,
+    log: &'a dyn Fn(&str),
+    frame: LeasedFrame,
+    state: ReceiverState,
+    iterations: u32,
+}
+
+/// The threads and tables of a migration being received.
+struct Session {
+    mem: Arc<GuestMemory>,
+    shared: Arc<Shared>,
+    main: Dispatcher,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl<'a> StreamReceiver<'a> {
+    pub(super) fn new(options: &'a ReceiveOptions, log: &'a dyn Fn(&str)) -> Self {
+        let budget = BufferBudget::new(options.in_flight_limit);
+        StreamReceiver {
+            options,
+            log,
+            frame: LeasedFrame::new(budget, Arc::default()),
+            state: ReceiverState::Hello,
+            iterations: 0,
+        }
+    }
+
+    /// The next frame on channel 0, which the current state must accept;
+    /// the source's ERROR ends the migration with its reason.
+    fn next(&mut self, reader: &mut impl Read) -> Result<FrameKind, ReceiveError> {
+        let kind = self.frame.read(reader)?;
+        self.state.check(kind)?;
+        if kind == FrameKind::Error {
+            return Err(ReceiveError::SourceAborted(ErrorMessage::decode(&self.frame.buf).0));
+        }
+        Ok(kind)
+    }
+
+    /// Runs the exchange to COMMIT; returns the iterations received.
+    pub(super) fn run(
+        mut self,
+        reader: &mut impl Read,
+        writer: &mut impl Write,
+        landing: &mut dyn Landing,
+        channels: Option<&ChannelSource>,
+    ) -> Result<u32, ReceiveError> {
+        protocol::write_preamble(writer, protocol::VERSION)?;
+        protocol::read_preamble(reader)?;
+        self.next(reader)?;
+        let hello = Hello::decode(&self.frame.buf)?;
+        let session = self.accept(&hello, writer, landing, channels)?;
+        self.state = ReceiverState::Iterating;
+        // Hashed in the background as pages land, so that after STATE only
+        // the last pages need hashing before READY.
+        let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region);
+        let result = self.receive_memory(reader, writer, &session, &digest);
+        drop(digest);
+        let Session { shared, main, readers, mut workers, .. } = session;
+        shared.done.store(true, Ordering::Release);
+        drop(main);
+        if readers.is_empty() {
+            // One channel: the decoders' queues closed with `main`.
+            for w in workers.drain(..) {
+                let _ = w.join();
+            }
+        }
+        let state = match result {
+            Ok(state) => state,
+            Err(e) => {
+                shared.fail(ReceiveError::ThreadStopped);
+                for r in readers {
+                    let _ = r.join();
+                }
+                // Their queues closed with the readers: no decoder outlives
+                // a failed migration (still holding its memory).
+                for w in workers {
+                    let _ = w.join();
+                }
+                return Err(e);
+            }
+        };
+        // Extra channels' readers and their decoders end when the source
+        // closes its channels; nothing waits for that.
+        drop(readers);
+        drop(workers);
+        landing.restore(&state)?;
+        protocol::write_frame(writer, FrameKind::Ready, &[])?;
+        writer.flush()?;
+        self.state = ReceiverState::Ready;
+        (self.log)("memory verified; ready, waiting for commit");
+        self.next(reader)?;
+        expect_empty(FrameKind::Commit, &self.frame.buf)?;
+        landing.start()?;
+        self.state = ReceiverState::Committed;
+        (self.log)("committed; the VM runs here now");
+        Ok(self.iterations)
+    }
+
+    /// Checks HELLO, creates the landing, says ACCEPT, accepts the extra
+    /// channels and starts the threads that receive and apply pages.
+    fn accept(
+        &mut self,
+        hello: &Hello,
+        writer: &mut impl Write,
+        landing: &mut dyn Landing,
+        channels: Option<&ChannelSource>,
+    ) -> Result<Session, ReceiveError> {
+        if let Some(expected) = self.options.expect_memory {
+            if expected != hello.memory_bytes {
+                return Err(ReceiveError::Mismatch(format!(
+                    "memory size mismatch: the source VM has {} bytes, this destination takes {} (--memory)",
+                    hello.memory_bytes, expected
+                )));
+            }
+        }
+        let codecs: CodecList = hello
+            .codecs
+            .parse()
+            .map_err(|e| ReceiveError::Mismatch(format!("source's codecs '{}': {e}", hello.codecs)))?;
+        if hello.channels > 1 && channels.is_none_or(|c| c.listener.is_none()) {
+            return Err(ReceiveError::Mismatch(format!(
+                "the source wants {} channels; this receiver takes one",
+                hello.channels
+            )));
+        }
+        let mem = landing.create(hello.memory_bytes)?;
+        protocol::write_frame(writer, FrameKind::Accept, &[])?;
+        writer.flush()?;
+        (self.log)(&format!(
+            "receiving a VM with {} MiB of memory over {} channel(s)",
+            hello.memory_bytes >> 20,
+            hello.channels
+        ));
+        let extra = match channels {
+            Some(source) => {
+                source.accept(hello.session, hello.channels, self.options.io_timeout, &self.options.security)?
+            }
+            None => Vec::new(),
+        };
+
+        let shared = Arc::new(Shared {
+            applied: Mutex::new(vec![0; hello.shards as usize]),
+            changed: Condvar::new(),
+            failure: Mutex::new(None),
+            streams: Mutex::new(extra.iter().map(|s| s.try_clone()).collect::<Result<_, _>>()?),
+            done: AtomicBool::new(false),
+            stopped: self.frame.stopped.clone(),
+            budget: self.frame.budget.clone(),
+        });
+        if let Some(source) = channels {
+            shared.streams.lock().unwrap().push(source.first.try_clone()?);
+        }
+        let marks = Arc::new(PageMarks::new(memory::page_count(&mem)));
+        let shard_list = shard_codecs(&codecs, hello.shards, hello.memory_bytes);
+        // Only shards and channels matter here: pages arrive in frames.
+        let layout = ShardLayout { batch_pages: 1, shards: hello.shards, channels: hello.channels };
+        let mut to_shards = Vec::new();
+        let mut workers = Vec::new();
+        for shard in 0..hello.shards {
+            let (tx, rx) = bounded::<ShardWork>(BUFFERS_PER_CHANNEL);
+            let worker = ShardWorker::new(
+                shard,
+                mem.clone(),
+                hello.granularity as usize,
+                marks.clone(),
+                PageDecoder::new(&shard_list),
+                shared.clone(),
+            );
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("decode-{shard}"))
+                    .spawn(move || worker.run(rx))
+                    .expect("spawn decoder"),
+            );
+            to_shards.push(tx);
+        }
+        let dispatcher = |channel: u16| {
+            let (pool_tx, pool_rx) = bounded(BUFFERS_PER_CHANNEL + 2);
+            for _ in 0..BUFFERS_PER_CHANNEL + 2 {
+                pool_tx.send(Vec::new()).expect("pool has room");
+            }
+            Dispatcher { channel, layout, to_shards: to_shards.clone(), pool_tx, pool_rx }
+        };
+        let mut readers = Vec::new();
+        for (i, stream) in extra.into_iter().enumerate() {
+            let dispatch = dispatcher(i as u16 + 1);
+            let shared = shared.clone();
+            let bytes = channels.map(|c| c.bytes.clone()).unwrap_or_default();
+            readers.push(
+                std::thread::Builder::new()
+                    .name(format!("receive-{}", i + 1))
+                    .spawn(move || channel_loop(stream, dispatch, bytes, shared))
+                    .expect("spawn channel reader"),
+            );
+        }
+        let main = dispatcher(0);
+        Ok(Session { mem, shared, main, readers, workers })
+    }
+
+    /// Pages until STATE, then the digest check and repair passes; returns
+    /// the VM state once the memory matches.
+    fn receive_memory(
+        &mut self,
+        reader: &mut impl Read,
+        writer: &mut impl Write,
+        session: &Session,
+        digest: &BackgroundDigest,
+    ) -> Result<Vec<u8>, ReceiveError> {
+        let Session { mem, shared, main, .. } = session;
+        let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
+        let mut last_iteration = None;
+        let state: Vec<u8> = loop {
+            match self.next(reader).map_err(with_failure)? {
+                FrameKind::IterationEnd => {
+                    last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);
+                    self.iterations += 1;
+                    digest.mark(memory::take_vmm_dirty(mem));
+                }
+                FrameKind::State => break std::mem::take(&mut self.frame.buf),
+                kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
+            }
+        };
+        let Some(final_iteration) = last_iteration else {
+            return Err(WireError::Unexpected { got: FrameKind::State, expected: "ITERATION_END" }.into());
+        };
+        self.state = ReceiverState::AwaitDigest;
+        // Every channel's last pages are applied before memory is hashed;
+        // most of it was hashed already as it landed.
+        shared.wait_applied(final_iteration)?;
+        digest.mark(memory::take_vmm_dirty(mem));
+        let mut ours = digest.hashes();
+        self.next(reader)?;
+        // Verify; on a mismatch ask for those regions again (the repair
+        // pass), then compare anew.
+        let mut rounds = 0;
+        let mut repair_iteration = final_iteration;
+        loop {
+            let theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
+            let mismatched = theirs.differing(&ours);
+            let Some(&first) = mismatched.first() else { break };
+            if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > protocol::messages::MAX_MISMATCH {
+                return Err(ReceiveError::DigestMismatch {
+                    count: mismatched.len(),
+                    total: ours.len(),
+                    first: first as u64 * digest.region() as u64,
+                });
+            }
+            rounds += 1;
+            (self.log)(&format!("memory differs in {} regions; asking for them again", mismatched.len()));
+            let regions = mismatched.iter().map(|&r| r as u32).collect();
+            protocol::write_frame(writer, FrameKind::Mismatch, &Mismatch { regions }.encode())?;
+            writer.flush()?;
+            self.state = ReceiverState::Repairing;
+            loop {
+                match self.next(reader).map_err(with_failure)? {
+                    FrameKind::IterationEnd => repair_iteration = main.end(&self.frame.buf).map_err(with_failure)?,
+                    FrameKind::Digest => break,
+                    kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
+                }
+            }
+            shared.wait_applied(repair_iteration)?;
+            digest.mark(memory::take_vmm_dirty(mem));
+            ours = digest.hashes();
+        }
+        Ok(state)
+    }
+}

@@ -1,0 +1,145 @@
+//! What a frame carries ([`FrameKind`]) and what can be wrong with bytes
+//! off the wire ([`WireError`]): the vocabulary every other part of the
+//! protocol speaks.
+
+/// First 8 bytes of every plain stream, in both directions.
+pub const MAGIC: [u8; 8] = *b"TSBMIGR\0";
+/// First 8 bytes of a secure handshake (docs/security.md).
+pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
+/// Version of this format; both ends must speak the same.
+pub const VERSION: u32 = 2;
+/// Largest frame payload accepted.
+pub const MAX_PAYLOAD: usize = 16 << 20;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum FrameKind {
+    /// Never valid: a zeroed header is an error.
+    Invalid = 0,
+    /// Source's setup: memory layout and options.
+    Hello = 1,
+    /// Destination agrees to the HELLO.
+    Accept = 2,
+    /// A batch of page records.
+    Pages = 3,
+    /// End of one pre-copy iteration.
+    IterationEnd = 4,
+    /// vCPU and device state (`VmState`, crates/vmm/src/persist.rs).
+    State = 5,
+    /// Per-region hashes of the final memory.
+    Digest = 6,
+    /// Destination holds the same memory and state; waits for COMMIT.
+    Ready = 7,
+    /// Source gives the VM up; destination resumes it.
+    Commit = 8,
+    /// Destination runs the VM.
+    Resumed = 9,
+    /// Either side gives up, with a reason.
+    Error = 10,
+    /// Destination's memory differs in these digest regions; resend them.
+    Mismatch = 11,
+    /// A PAGES payload compressed by lz4 or zstd.
+    PagesCompressed = 12,
+    /// First frame of an extra channel: which migration and channel it is.
+    Channel = 13,
+    /// A PAGES payload of raw pages sent with `--zero-copy`: its CRC covers
+    /// the frame header, the PAGES header and the record headers, not the
+    /// pages (the kernel reads them after the CRC is made; the memory
+    /// digest checks them).
+    PagesZeroCopy = 14,
+}
+
+impl FrameKind {
+    /// The kind with this number, if there is one (0 is never valid).
+    pub fn from_u16(v: u16) -> Option<FrameKind> {
+        use FrameKind::*;
+        Some(match v {
+            1 => Hello,
+            2 => Accept,
+            3 => Pages,
+            4 => IterationEnd,
+            5 => State,
+            6 => Digest,
+            7 => Ready,
+            8 => Commit,
+            9 => Resumed,
+            10 => Error,
+            11 => Mismatch,
+            12 => PagesCompressed,
+            13 => Channel,
+            14 => PagesZeroCopy,
+            _ => return None,
+        })
+    }
+
+    /// True for the three frames that carry page records.
+    pub fn carries_pages(self) -> bool {
+        matches!(self, FrameKind::Pages | FrameKind::PagesCompressed | FrameKind::PagesZeroCopy)
+    }
+}
+
+/// What can be wrong with bytes off the wire.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The transport failed or closed.
+    #[error("connection failed")]
+    Io(#[from] std::io::Error),
+    /// The peer is not a tsubame migration stream.
+    #[error("peer is not a tsubame migration stream (bad magic)")]
+    BadMagic,
+    /// The peer wants an authenticated connection and this end is plain.
+    #[error("the peer started {0}, and this end is plain: give it the peer's security flags (--psk-file, or --tls-cert, --tls-key and --tls-ca)")]
+    PeerIsSecure(&'static str),
+    /// The peer speaks another version.
+    #[error("peer speaks stream version {peer}, this tsubame speaks {VERSION}")]
+    VersionMismatch {
+        /// The peer's version.
+        peer: u32,
+    },
+    /// A frame kind we do not know.
+    #[error("frame has unknown kind {0}")]
+    UnknownKind(u16),
+    /// A field outside its allowed range.
+    #[error("frame field {field} is invalid: {detail}")]
+    BadField {
+        /// Which field.
+        field: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// Payload longer than the cap.
+    #[error("frame length {0} exceeds the {MAX_PAYLOAD}-byte limit")]
+    TooLong(u32),
+    /// CRC32C mismatch.
+    #[error("frame of kind {kind:?} failed its CRC32C check (corrupted in transit)")]
+    BadCrc {
+        /// The frame's kind.
+        kind: FrameKind,
+    },
+    /// A frame that is valid but not expected now.
+    #[error("unexpected {got:?} frame while waiting for {expected}")]
+    Unexpected {
+        /// What arrived.
+        got: FrameKind,
+        /// What the state machine wanted.
+        expected: &'static str,
+    },
+    /// The payload is shorter than its fields.
+    #[error("{0:?} frame is truncated")]
+    Truncated(FrameKind),
+}
+
+impl WireError {
+    /// A field outside its range.
+    pub fn bad(field: &'static str, detail: impl Into<String>) -> WireError {
+        WireError::BadField { field, detail: detail.into() }
+    }
+}
+
+/// True when `first` (a connection's first bytes) starts a TLS ClientHello
+/// record: a TLS peer talking to a plain or pre-shared-key end.
+pub fn is_tls_client_hello(first: &[u8]) -> bool {
+    // Record type 22 (handshake), legacy version 3.0 to 3.4.
+    first.len() >= 3 && first[0] == 0x16 && first[1] == 0x03 && first[2] <= 0x04
+}

@@ -1,0 +1,63 @@
+//! The migration protocol, the one module both ends import: the framing,
+//! every message with its encoder and decoder side by side, the page
+//! record layout, the shard layout, and the two ends' states.
+//! docs/stream-format.md describes the bytes; docs/architecture.md where
+//! each part lives.
+//!
+//! ```text
+//! source                                   destination
+//!   | preamble (magic, version)  --->         |
+//!   |         <---  preamble (magic, version) |
+//!   | HELLO (memory, page size, options) -->  |  checks, creates the VM
+//!   |         <---  ACCEPT | ERROR            |
+//!   | (channels 1..N: preamble, CHANNEL)      |
+//!   | PAGES ... ITERATION_END  (xN)  --->     |  writes pages
+//!   | [pause] PAGES ... STATE DIGEST --->     |  verifies memory digest
+//!   |         <---  MISMATCH (regions)        |  (at most MAX_REPAIR_ROUNDS)
+//!   | PAGES ... ITERATION_END DIGEST --->     |
+//!   |         <---  READY | ERROR             |
+//!   | COMMIT  --->                            |  restores state, resumes
+//!   |         <---  RESUMED                   |
+//! ```
+//!
+//! The states of each end and the frames each accepts are in [`state`].
+//! What comes next lands here as new frame kinds, messages and states:
+//! post-copy (a return path carrying page requests, the switch with the
+//! set of stale pages, the background push, a "holds every page" reply,
+//! reconnecting a cut link), far memory (the map of pages that live on a
+//! memory host), and warm storage caches (the source's hot block list).
+
+pub mod fields;
+pub mod frame;
+pub mod kind;
+pub mod messages;
+pub mod pages;
+pub mod shard;
+pub mod state;
+
+pub use fields::Fields;
+pub use frame::{
+    frame_header, parse_header, read_frame, read_frame_reserving, read_preamble, write_frame, write_preamble,
+    zero_copy_frame_header, FRAME_HEADER_LEN, PREAMBLE_LEN,
+};
+pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
+pub use messages::{ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed};
+pub use shard::{shard_codecs, ShardLayout};
+pub use state::{ReceiverState, SourceState};
+
+/// Most channels of one migration.
+pub const MAX_CHANNELS: u16 = 16;
+/// Most codec shards of one migration.
+pub const MAX_SHARDS: u16 = 64;
+/// Times a destination asks for mismatched digest regions (and a source
+/// re-sends them) before the migration fails.
+pub const MAX_REPAIR_ROUNDS: u32 = 2;
+
+/// Checks a sub-page granularity: a power of two from 64 to 4096 bytes.
+pub fn check_granularity(bytes: u32) -> Result<(), String> {
+    if bytes.is_power_of_two() && (64..=tsubame_codec::PAGE_SIZE as u32).contains(&bytes) {
+        Ok(())
+    } else {
+        Err(format!("granularity {bytes} must be a power of two from 64 to 4096"))
+    }
+}

@@ -1,0 +1,210 @@
+//! The two ends as explicit state machines: which frames each state
+//! accepts and where each leads. The source and the receiver drive their
+//! work from these; a frame a state does not accept is an error naming
+//! what the state waits for.
+//!
+//! ```text
+//! Source                                  Receiver
+//!   Setup ──HELLO/ACCEPT──> Iterating       Hello ──HELLO──> Iterating
+//!   Iterating ──(stop)──> StopAndCopy       Iterating ──PAGES, ITERATION_END──> Iterating
+//!   StopAndCopy ──STATE, DIGEST──> Verifying Iterating ──STATE──> AwaitDigest
+//!   Verifying ──MISMATCH──> Verifying        AwaitDigest ──DIGEST──> Ready | Repairing
+//!   Verifying ──READY──> Committing          Repairing ──PAGES, ITERATION_END──> Repairing
+//!   Committing ──RESUMED──> Completed        Repairing ──DIGEST──> Ready | Repairing
+//!   any ──error──> Failed                    Ready ──COMMIT──> Committed
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use super::kind::{FrameKind, WireError};
+
+/// Where a migrating source is; also the phase `query-migrate` and the
+/// progress bar show.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SourceState {
+    /// Connecting, the handshake, HELLO and ACCEPT.
+    #[default]
+    #[serde(rename = "setup")]
+    Setup,
+    /// Pre-copy iterations while the guest runs.
+    #[serde(rename = "iterating")]
+    Iterating,
+    /// Converged, letting the memory digest catch up before the pause.
+    #[serde(rename = "hashing before the stop")]
+    HashingBeforeStop,
+    /// The guest is paused: last pages, STATE, DIGEST; waiting for READY
+    /// (re-sending regions on MISMATCH).
+    #[serde(rename = "stop-and-copy")]
+    StopAndCopy,
+    /// COMMIT is out: only the destination may run the VM now.
+    #[serde(rename = "committing")]
+    Committing,
+    /// The destination runs the VM.
+    #[serde(rename = "completed")]
+    Completed,
+    /// The migration failed (before COMMIT: the VM runs here again).
+    #[serde(rename = "failed")]
+    Failed,
+}
+
+impl SourceState {
+    /// The frames the destination may send in this state.
+    pub fn accepts(self, kind: FrameKind) -> bool {
+        use FrameKind::*;
+        matches!(
+            (self, kind),
+            (_, Error)
+                | (SourceState::Setup, Accept)
+                | (SourceState::StopAndCopy, Ready | Mismatch)
+                | (SourceState::Committing, Resumed)
+        )
+    }
+
+    /// What the state waits for, for error messages.
+    pub fn expects(self) -> &'static str {
+        match self {
+            SourceState::Setup => "ACCEPT",
+            SourceState::StopAndCopy => "READY or MISMATCH",
+            SourceState::Committing => "RESUMED",
+            _ => "nothing from the destination",
+        }
+    }
+
+    /// Checks that the destination's `kind` fits this state.
+    pub fn check(self, kind: FrameKind) -> Result<(), WireError> {
+        if self.accepts(kind) {
+            Ok(())
+        } else {
+            Err(WireError::Unexpected { got: kind, expected: self.expects() })
+        }
+    }
+}
+
+/// Where a receiving destination is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiverState {
+    /// Waiting for HELLO.
+    Hello,
+    /// Pre-copy: page frames and ITERATION_END until STATE.
+    Iterating,
+    /// STATE arrived; waiting for DIGEST.
+    AwaitDigest,
+    /// MISMATCH went out: repair pages, then the DIGEST again.
+    Repairing,
+    /// READY went out: waiting for COMMIT.
+    Ready,
+    /// COMMIT arrived: the VM runs here.
+    Committed,
+}
+
+impl ReceiverState {
+    /// The frames the source may send in this state (ERROR is always
+    /// accepted: it ends the migration with the source's reason).
+    pub fn accepts(self, kind: FrameKind) -> bool {
+        use FrameKind::*;
+        use ReceiverState as R;
+        kind == Error
+            || match self {
+                R::Hello => kind == Hello,
+                R::Iterating => kind.carries_pages() || matches!(kind, IterationEnd | State),
+                R::AwaitDigest => kind == Digest,
+                // Repairs go out whole and plain (never compressed).
+                R::Repairing => matches!(kind, Pages | IterationEnd | Digest),
+                R::Ready => kind == Commit,
+                R::Committed => false,
+            }
+    }
+
+    /// What the state waits for, for error messages.
+    pub fn expects(self) -> &'static str {
+        match self {
+            ReceiverState::Hello => "HELLO",
+            ReceiverState::Iterating => "PAGES, ITERATION_END or STATE",
+            ReceiverState::AwaitDigest => "DIGEST",
+            ReceiverState::Repairing => "PAGES or DIGEST",
+            ReceiverState::Ready => "COMMIT",
+            ReceiverState::Committed => "nothing (the VM runs here)",
+        }
+    }
+
+    /// Checks that the source's `kind` fits this state.
+    pub fn check(self, kind: FrameKind) -> Result<(), WireError> {
+        if self.accepts(kind) {
+            Ok(())
+        } else {
+            Err(WireError::Unexpected { got: kind, expected: self.expects() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [FrameKind; 14] = [
+        FrameKind::Hello,
+        FrameKind::Accept,
+        FrameKind::Pages,
+        FrameKind::IterationEnd,
+        FrameKind::State,
+        FrameKind::Digest,
+        FrameKind::Ready,
+        FrameKind::Commit,
+        FrameKind::Resumed,
+        FrameKind::Error,
+        FrameKind::Mismatch,
+        FrameKind::PagesCompressed,
+        FrameKind::Channel,
+        FrameKind::PagesZeroCopy,
+    ];
+
+    #[test]
+    fn receiver_accepts_only_its_frames() {
+        use ReceiverState as R;
+        let accepted = |s: R| ALL.iter().filter(|&&k| s.accepts(k)).count();
+        assert_eq!(accepted(R::Hello), 2);
+        assert_eq!(accepted(R::Iterating), 6);
+        assert_eq!(accepted(R::Repairing), 4);
+        assert_eq!(accepted(R::Committed), 1);
+        assert!(R::Iterating.check(FrameKind::Commit).unwrap_err().to_string().contains("STATE"));
+        assert!(!R::Repairing.accepts(FrameKind::PagesCompressed));
+        assert!(!R::Ready.accepts(FrameKind::Pages));
+    }
+
+    #[test]
+    fn source_accepts_only_its_replies() {
+        assert!(SourceState::Setup.accepts(FrameKind::Accept));
+        assert!(!SourceState::Iterating.accepts(FrameKind::Ready));
+        assert!(SourceState::StopAndCopy.accepts(FrameKind::Mismatch));
+        assert!(SourceState::Committing.check(FrameKind::Ready).is_err());
+        assert!(ALL.iter().all(|&k| k != FrameKind::Error || SourceState::Completed.accepts(k)));
+    }
+
+    #[test]
+    fn phases_serialize_as_before() {
+        let names: Vec<String> = [
+            SourceState::Setup,
+            SourceState::Iterating,
+            SourceState::HashingBeforeStop,
+            SourceState::StopAndCopy,
+            SourceState::Committing,
+            SourceState::Completed,
+            SourceState::Failed,
+        ]
+        .iter()
+        .map(|s| serde_json::to_string(s).unwrap())
+        .collect();
+        assert_eq!(
+            names,
+            [
+                "\"setup\"",
+                "\"iterating\"",
+                "\"hashing before the stop\"",
+                "\"stop-and-copy\"",
+                "\"committing\"",
+                "\"completed\"",
+                "\"failed\""
+            ]
+        );
+    }
+}

@@ -1,0 +1,471 @@
+//! The engine that runs the stages: fetch (the migration thread) →
+//! encode (one [`EncodeStage`] per shard) → send (one [`SendStage`] per
+//! channel). Pipelined, each encode and send stage runs in a thread of its
+//! own, joined by bounded queues of reusable buffers (GMigrate's three
+//! threads; QEMU's multifd); with `--no-pipeline` the same stage code runs
+//! in turn on the migration thread.
+//!
+//! Pages are split into codec shards by page index, in chunks of
+//! `batch_pages` (protocol::shard): every page always goes through the
+//! same shard, whose encoder owns its codec caches and whose frames travel
+//! on one channel in order, so a page's records can never overtake each
+//! other however the channels interleave.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use tsubame_vmm::PAGE_SIZE;
+
+use super::encode::{EncodeStage, EncoderSetup, SendItem, ShardEncoder};
+use super::error::PipelineError;
+use super::fetch::Batch;
+use super::send::{SendStage, Writer};
+use super::zerocopy::GuestPages;
+use crate::protocol::ShardLayout;
+use crate::stats::{thread_cpu_seconds, PipelineStats, StageStats, ZeroCopyStats};
+use crate::transport::Pacer;
+
+/// Busy nanoseconds per stage, updated as the stages work: what the
+/// progress bar shows while the final statistics are still in the threads.
+struct LiveBusy {
+    fetch: AtomicU64,
+    encode: AtomicU64,
+    send: AtomicU64,
+    since: Instant,
+}
+
+fn add_busy(counter: &AtomicU64, d: Duration) {
+    counter.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// Runs `work`, adding its time to `stats` and to the live counter.
+fn timed<T>(stats: &mut StageStats, live: &AtomicU64, work: impl FnOnce() -> T) -> T {
+    let start = Instant::now();
+    let result = work();
+    stats.busy_seconds += start.elapsed().as_secs_f64();
+    add_busy(live, start.elapsed());
+    result
+}
+
+/// Knobs of the engine.
+pub struct EngineSetup {
+    /// Threads and queues, or every stage in turn on the caller's thread.
+    pub pipelined: bool,
+    /// Buffers per stage (queue depth).
+    pub buffers: usize,
+    /// `--zero-copy`: guest memory, where the senders take raw pages from.
+    pub guest: Option<GuestPages>,
+}
+
+enum ToEncoder {
+    Batch(Batch),
+    End(u32),
+}
+
+/// The stages and their threads, or their state when run in turn.
+pub struct Engine {
+    layout: ShardLayout,
+    pacer: Arc<Pacer>,
+    live: Arc<LiveBusy>,
+    threads: (u32, u32),
+    writers: Vec<Arc<Mutex<Writer>>>,
+    zero_copy: bool,
+    buffers: usize,
+    fetch: StageStats,
+    fetch_samples: u64,
+    mode: Mode,
+}
+
+enum Mode {
+    /// `--no-pipeline`: the same stages, called in turn.
+    InTurn {
+        encoders: Vec<EncodeStage>,
+        senders: Vec<SendStage>,
+        batch: Option<Batch>,
+        out: Vec<u8>,
+        encode: Box<StageStats>,
+        send: Box<StageStats>,
+    },
+    Threads {
+        to_encoders: Vec<Sender<ToEncoder>>,
+        free_batches: Receiver<Batch>,
+        done: Receiver<Result<u64, PipelineError>>,
+        encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
+        senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
+    },
+}
+
+impl Engine {
+    /// Starts the stages over `writers` (one per channel).
+    pub fn start(
+        setup: &EngineSetup,
+        encoder: &EncoderSetup,
+        writers: Vec<Writer>,
+        pacer: Arc<Pacer>,
+    ) -> Result<Engine, PipelineError> {
+        let layout = encoder.layout;
+        let batch_pages = layout.batch_pages as usize;
+        let writers: Vec<_> = writers.into_iter().map(|w| Arc::new(Mutex::new(w))).collect();
+        let encoders = (0..layout.shards)
+            .map(|s| ShardEncoder::new(s, encoder).map(EncodeStage::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let live = Arc::new(LiveBusy {
+            fetch: AtomicU64::new(0),
+            encode: AtomicU64::new(0),
+            send: AtomicU64::new(0),
+            since: Instant::now(),
+        });
+        let out_capacity = batch_pages * (PAGE_SIZE + 64);
+        let sender = |channel: u16, keep: usize| {
+            let carried = layout.shards_of(channel).count();
+            SendStage::new(channel, carried, writers[channel as usize].clone(), pacer.clone(), setup.guest, keep)
+        };
+        let (threads, mode) = if !setup.pipelined {
+            let mode = Mode::InTurn {
+                encoders,
+                senders: (0..layout.channels).map(|c| sender(c, 0)).collect(),
+                batch: Some(Batch::with_capacity(batch_pages)),
+                out: Vec::with_capacity(out_capacity),
+                encode: Box::new(StageStats::named("encode")),
+                send: Box::new(StageStats::named("send")),
+            };
+            ((1, 1), mode)
+        } else {
+            let buffers = setup.buffers.max(1);
+            let shards = layout.shards as usize;
+            // Each encoder may hold one batch while `buffers` wait in its queue.
+            let (free_tx, free_rx) = bounded(shards * (buffers + 1) + 1);
+            for _ in 0..shards * (buffers + 1) + 1 {
+                free_tx.send(Batch::with_capacity(batch_pages)).expect("pool has room");
+            }
+            let (done_tx, done_rx) = bounded(4 * (shards + layout.channels as usize));
+            let mut to_senders = Vec::new();
+            let mut senders = Vec::new();
+            let mut out_pools = Vec::new();
+            for channel in 0..layout.channels {
+                let carried = layout.shards_of(channel).count();
+                let (tx, rx) = bounded::<SendItem>(buffers * carried + carried);
+                let (pool_tx, pool_rx) = bounded::<Vec<u8>>(buffers * carried + 2 * carried);
+                for _ in 0..buffers * carried + 2 * carried {
+                    pool_tx.send(Vec::with_capacity(out_capacity)).expect("pool has room");
+                }
+                // Hold one zero-copy buffer in the kernel at most, so the
+                // encoders never run out while we wait for completions.
+                let send = SendLoop { stage: sender(channel, 1), input: rx, pool: pool_tx, done: done_tx.clone() };
+                let live = live.clone();
+                senders.push(
+                    std::thread::Builder::new()
+                        .name(format!("send-{channel}"))
+                        .spawn(move || send.run(&live))
+                        .expect("spawn sender"),
+                );
+                to_senders.push(tx);
+                out_pools.push(pool_rx);
+            }
+            let mut to_encoders = Vec::new();
+            let mut handles = Vec::new();
+            for stage in encoders {
+                let channel = layout.channel(stage.shard()) as usize;
+                let (tx, rx) = bounded::<ToEncoder>(buffers);
+                let encode = EncodeLoop {
+                    stage,
+                    input: rx,
+                    free_batches: free_tx.clone(),
+                    output: to_senders[channel].clone(),
+                    out_pool: out_pools[channel].clone(),
+                    done: done_tx.clone(),
+                };
+                let live = live.clone();
+                handles.push(
+                    std::thread::Builder::new()
+                        .name(format!("encode-{}", encode.stage.shard()))
+                        .spawn(move || encode.run(&live))
+                        .expect("spawn encoder"),
+                );
+                to_encoders.push(tx);
+            }
+            let mode = Mode::Threads { to_encoders, free_batches: free_rx, done: done_rx, encoders: handles, senders };
+            ((layout.shards as u32, layout.channels as u32), mode)
+        };
+        Ok(Engine {
+            layout,
+            pacer,
+            live,
+            threads,
+            writers,
+            zero_copy: setup.guest.is_some(),
+            buffers: setup.buffers,
+            fetch: StageStats::named("fetch"),
+            fetch_samples: 0,
+            mode,
+        })
+    }
+
+    /// The layout of shards and channels.
+    pub fn layout(&self) -> ShardLayout {
+        self.layout
+    }
+
+    /// A free batch to fill (waits while every buffer is in flight).
+    pub fn take_batch(&mut self) -> Result<Batch, PipelineError> {
+        match &mut self.mode {
+            Mode::InTurn { batch, .. } => Ok(batch.take().expect("one batch in flight at a time")),
+            Mode::Threads { free_batches, .. } => {
+                let start = Instant::now();
+                let batch = free_batches.recv();
+                self.fetch.wait_output_seconds += start.elapsed().as_secs_f64();
+                batch.map_err(|_| self.stopped())
+            }
+        }
+    }
+
+    /// A stage thread is gone: the error that stopped it (a write that
+    /// failed, say), which waits in `done` behind the stages that merely
+    /// stopped after it.
+    fn stopped(&self) -> PipelineError {
+        if let Mode::Threads { done, .. } = &self.mode {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while let Ok(result) = done.recv_deadline(deadline) {
+                if let Err(e @ (PipelineError::Write { .. } | PipelineError::Gpu(_))) = result {
+                    return e;
+                }
+            }
+        }
+        PipelineError::Stopped
+    }
+
+    /// Counts fetch work (timed by the caller).
+    pub fn fetched(&mut self, busy: Duration) {
+        self.fetch.busy_seconds += busy.as_secs_f64();
+        self.fetch.items += 1;
+        add_busy(&self.live.fetch, busy);
+    }
+
+    /// Each stage's busy share of its threads so far, e.g.
+    /// "fetch 12% encode 85%×3 send 40%×1".
+    pub fn summary(&self) -> String {
+        let wall = self.live.since.elapsed().as_secs_f64().max(1e-9);
+        let share =
+            |c: &AtomicU64, threads: u32| 100.0 * c.load(Ordering::Relaxed) as f64 / 1e9 / wall / threads as f64;
+        let (encoders, senders) = self.threads;
+        format!(
+            "fetch {:.0}% encode {:.0}%×{encoders} send {:.0}%×{senders}",
+            share(&self.live.fetch, 1),
+            share(&self.live.encode, encoders),
+            share(&self.live.send, senders)
+        )
+    }
+
+    /// Hands a filled batch to its shard's encoder.
+    pub fn submit(&mut self, batch: Batch) -> Result<(), PipelineError> {
+        let layout = self.layout;
+        match &mut self.mode {
+            Mode::InTurn { encoders, senders, batch: slot, out, encode, send } => {
+                let shard = batch.shard as usize;
+                let item = timed(encode, &self.live.encode, || encoders[shard].batch(&batch, std::mem::take(out)));
+                encode.items += 1;
+                *slot = Some(batch);
+                let sender = &mut senders[layout.channel(shard as u16) as usize];
+                let (mut released, _) = timed(send, &self.live.send, || sender.send(item?))?;
+                send.items += 1;
+                *out = released.pop().unwrap_or_default();
+                Ok(())
+            }
+            Mode::Threads { to_encoders, .. } => {
+                let queue = &to_encoders[batch.shard as usize];
+                self.fetch.sample_queue(queue.len(), &mut self.fetch_samples);
+                let start = Instant::now();
+                let sent = queue.send(ToEncoder::Batch(batch));
+                self.fetch.wait_output_seconds += start.elapsed().as_secs_f64();
+                sent.map_err(|_| self.stopped())
+            }
+        }
+    }
+
+    /// Ends `iteration` on every channel (ITERATION_END after all its
+    /// pages), waits until every channel has written and flushed it, and
+    /// returns the records the iteration sent.
+    pub fn end_iteration(&mut self, iteration: u32) -> Result<u64, PipelineError> {
+        let layout = self.layout;
+        let mut total = 0;
+        match &mut self.mode {
+            Mode::InTurn { encoders, senders, send, .. } => {
+                for stage in encoders.iter_mut() {
+                    let item = stage.end(iteration);
+                    let sender = &mut senders[layout.channel(stage.shard()) as usize];
+                    let (_, ended) = timed(send, &self.live.send, || sender.send(item))?;
+                    total += ended.unwrap_or(0);
+                }
+            }
+            Mode::Threads { to_encoders, done, .. } => {
+                let mut ended = to_encoders.iter().all(|queue| queue.send(ToEncoder::End(iteration)).is_ok());
+                for _ in 0..layout.channels {
+                    match done.recv() {
+                        Ok(Ok(records)) if ended => total += records,
+                        Ok(Err(e @ (PipelineError::Write { .. } | PipelineError::Gpu(_)))) => return Err(e),
+                        _ => ended = false,
+                    }
+                    if !ended {
+                        break;
+                    }
+                }
+                if !ended {
+                    return Err(self.stopped());
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Channel `c`'s writer, for control frames between iterations (the
+    /// pipeline is idle then).
+    pub fn writer(&self, channel: u16) -> std::sync::MutexGuard<'_, Writer> {
+        self.writers[channel as usize].lock().unwrap()
+    }
+
+    /// Bytes written so far on every channel.
+    pub fn bytes(&self) -> u64 {
+        self.pacer.bytes()
+    }
+
+    /// Stops the threads; returns the encoders (for their counters) and
+    /// the per-stage statistics.
+    pub fn finish(self) -> (Vec<ShardEncoder>, PipelineStats) {
+        let mut fetch = self.fetch;
+        fetch.cpu_seconds = 0.0; // the migration thread's CPU is reported on its own
+        let mut zero_copy = ZeroCopyStats::default();
+        let (encoders, encode, send, mode) = match self.mode {
+            Mode::InTurn { encoders, senders, encode, send, .. } => {
+                for sender in senders {
+                    zero_copy.add(&sender.finish());
+                }
+                (encoders.into_iter().map(|s| s.encoder).collect(), *encode, *send, "sequential")
+            }
+            Mode::Threads { to_encoders, encoders, senders, .. } => {
+                drop(to_encoders);
+                let mut encode = StageStats { threads: 0, ..StageStats::named("encode") };
+                let mut send = StageStats { threads: 0, ..StageStats::named("send") };
+                let mut shard_encoders = Vec::new();
+                for handle in encoders {
+                    if let Ok((encoder, stats)) = handle.join() {
+                        encode.merge(&stats);
+                        shard_encoders.push(encoder);
+                    }
+                }
+                for handle in senders {
+                    if let Ok((stats, channel_zero_copy)) = handle.join() {
+                        send.merge(&stats);
+                        zero_copy.add(&channel_zero_copy);
+                    }
+                }
+                (shard_encoders, encode, send, "pipelined")
+            }
+        };
+        let stats = PipelineStats {
+            mode: mode.into(),
+            channels: self.layout.channels,
+            shards: self.layout.shards,
+            batch_pages: self.layout.batch_pages,
+            buffers: self.buffers,
+            stages: vec![fetch, encode, send],
+            zero_copy: self.zero_copy.then_some(zero_copy),
+        };
+        (encoders, stats)
+    }
+}
+
+/// An encode stage in its own thread.
+struct EncodeLoop {
+    stage: EncodeStage,
+    input: Receiver<ToEncoder>,
+    free_batches: Sender<Batch>,
+    output: Sender<SendItem>,
+    out_pool: Receiver<Vec<u8>>,
+    done: Sender<Result<u64, PipelineError>>,
+}
+
+impl EncodeLoop {
+    fn run(mut self, live: &LiveBusy) -> (ShardEncoder, StageStats) {
+        let cpu = thread_cpu_seconds();
+        let mut stats = StageStats::named("encode");
+        let mut samples = 0;
+        loop {
+            let start = Instant::now();
+            let Ok(work) = self.input.recv() else { break };
+            stats.wait_input_seconds += start.elapsed().as_secs_f64();
+            let item = match work {
+                ToEncoder::Batch(batch) => {
+                    let start = Instant::now();
+                    let Ok(out) = self.out_pool.recv() else {
+                        let _ = self.done.send(Err(PipelineError::Stopped));
+                        break;
+                    };
+                    stats.wait_output_seconds += start.elapsed().as_secs_f64();
+                    let encoded = timed(&mut stats, &live.encode, || self.stage.batch(&batch, out));
+                    stats.items += 1;
+                    let _ = self.free_batches.send(batch);
+                    match encoded {
+                        Ok(item) => item,
+                        Err(e) => {
+                            let _ = self.done.send(Err(e.into()));
+                            break;
+                        }
+                    }
+                }
+                ToEncoder::End(iteration) => self.stage.end(iteration),
+            };
+            stats.sample_queue(self.output.len(), &mut samples);
+            let start = Instant::now();
+            if self.output.send(item).is_err() {
+                let _ = self.done.send(Err(PipelineError::Stopped));
+                break;
+            }
+            stats.wait_output_seconds += start.elapsed().as_secs_f64();
+        }
+        stats.cpu_seconds = thread_cpu_seconds() - cpu;
+        (self.stage.encoder, stats)
+    }
+}
+
+/// A channel's send stage in its own thread.
+struct SendLoop {
+    stage: SendStage,
+    input: Receiver<SendItem>,
+    pool: Sender<Vec<u8>>,
+    done: Sender<Result<u64, PipelineError>>,
+}
+
+impl SendLoop {
+    fn run(mut self, live: &LiveBusy) -> (StageStats, ZeroCopyStats) {
+        let cpu = thread_cpu_seconds();
+        let mut stats = StageStats::named("send");
+        loop {
+            let start = Instant::now();
+            let Ok(item) = self.input.recv() else { break };
+            stats.wait_input_seconds += start.elapsed().as_secs_f64();
+            if !matches!(item, SendItem::End { .. }) {
+                stats.items += 1;
+            }
+            let sent = timed(&mut stats, &live.send, || self.stage.send(item));
+            match sent {
+                Ok((released, ended)) => {
+                    for buffer in released {
+                        let _ = self.pool.send(buffer);
+                    }
+                    if let Some(records) = ended {
+                        let _ = self.done.send(Ok(records));
+                    }
+                }
+                Err(e) => {
+                    let _ = self.done.send(Err(e));
+                    break;
+                }
+            }
+        }
+        let zero_copy = self.stage.finish();
+        stats.cpu_seconds = thread_cpu_seconds() - cpu;
+        (stats, zero_copy)
+    }
+}

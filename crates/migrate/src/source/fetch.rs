@@ -1,0 +1,139 @@
+//! The fetch stage: turns the dirty set into batches of pages read from
+//! guest memory, one batch per shard-sized run of the bitmap. Each run's
+//! dirty bits are cleared in KVM right before its pages are read, so a
+//! write racing the read dirties the page again and nothing is missed.
+
+use tsubame_vmm::{memory, VmError, PAGE_SIZE};
+
+use super::vm::SourceVm;
+
+/// Reads dirty pages into batches.
+pub struct Fetcher {
+    /// Tells never-populated (zero) pages apart without reading them.
+    pagemap: Option<memory::Pagemap>,
+    /// Scratch: one flag per page of a run.
+    populated: Vec<bool>,
+    /// Zero records for pages found zero (false with `--codec none`, which
+    /// sends even untouched pages raw: a true baseline).
+    zero_records: bool,
+    /// `--zero-copy`: leave pages in guest memory; the sender splices them.
+    by_reference: bool,
+}
+
+impl Fetcher {
+    /// A fetcher for batches of up to `batch_pages` pages.
+    pub fn new(batch_pages: usize, zero_records: bool, by_reference: bool) -> Fetcher {
+        Fetcher {
+            pagemap: memory::Pagemap::open().ok(),
+            populated: vec![true; batch_pages],
+            zero_records,
+            by_reference,
+        }
+    }
+
+    /// Fills `batch` (already cleared for its iteration and shard) with the
+    /// pages set in `chunk`, the run of the dirty bitmap from `first_page`:
+    /// clears their dirty bits in KVM, then reads each page that is neither
+    /// unpopulated nor all zeros (zeros are checked in place, not copied).
+    pub fn fill(
+        &mut self,
+        vm: &dyn SourceVm,
+        first_page: u64,
+        chunk: &[u64],
+        batch: &mut Batch,
+    ) -> Result<(), VmError> {
+        batch.by_reference = self.by_reference;
+        vm.clear_dirty_log(first_page, chunk)?;
+        // Pages the kernel never populated are zeros: don't read them
+        // (reading would populate them, and cost a fault each).
+        let populated = &mut self.populated[..chunk.len() * 64];
+        if self.pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first_page, populated).is_err()) {
+            populated.fill(true);
+        }
+        for (w, &word) in chunk.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let offset = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let index = first_page + offset as u64;
+                let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
+                if backed && !batch.by_reference {
+                    memory::read_page(vm.memory(), index, batch.next_slot())?;
+                }
+                batch.push(index, backed);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pages of one shard fetched from guest memory.
+pub struct Batch {
+    /// Iteration the pages belong to.
+    pub iteration: u32,
+    /// Their shard.
+    pub shard: u16,
+    /// The verification pass: send every page raw.
+    pub repair: bool,
+    /// `--zero-copy`: the pages were not read; the sender hands them to the
+    /// kernel straight from guest memory.
+    pub by_reference: bool,
+    /// Page numbers.
+    pub indices: Vec<u64>,
+    /// False for pages the kernel never backed (zeros, not read).
+    pub populated: Vec<bool>,
+    /// `PAGE_SIZE` bytes per index; unread for unpopulated pages.
+    pub pages: Vec<u8>,
+}
+
+impl Batch {
+    /// An empty batch with room for `pages` pages.
+    pub fn with_capacity(pages: usize) -> Batch {
+        Batch {
+            iteration: 0,
+            shard: 0,
+            repair: false,
+            by_reference: false,
+            indices: Vec::with_capacity(pages),
+            populated: Vec::with_capacity(pages),
+            pages: vec![0u8; pages * PAGE_SIZE],
+        }
+    }
+
+    /// Empties the batch for reuse.
+    pub fn clear(&mut self, iteration: u32, shard: u16, repair: bool) {
+        self.iteration = iteration;
+        self.shard = shard;
+        self.repair = repair;
+        self.by_reference = false;
+        self.indices.clear();
+        self.populated.clear();
+    }
+
+    /// The slot for the next page: call [`Batch::push`] after filling it.
+    pub fn next_slot(&mut self) -> &mut [u8; PAGE_SIZE] {
+        let at = self.indices.len() * PAGE_SIZE;
+        (&mut self.pages[at..at + PAGE_SIZE]).try_into().unwrap()
+    }
+
+    /// Adds page `index` (its bytes in the slot when `populated`).
+    pub fn push(&mut self, index: u64, populated: bool) {
+        self.indices.push(index);
+        self.populated.push(populated);
+    }
+
+    /// Pages in the batch.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// True when no page was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+
+    /// The bytes of the batch's `i`th page.
+    pub fn page(&self, i: usize) -> &[u8; PAGE_SIZE] {
+        self.pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].try_into().unwrap()
+    }
+}

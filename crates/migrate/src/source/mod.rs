@@ -1,0 +1,327 @@
+//! The sending side: connect, pre-copy iterations while the guest runs,
+//! then stop-and-copy, verify, commit. docs/architecture.md follows a page
+//! through these files: [`precopy`] decides what to send and [`fetch`]
+//! reads it, [`encode`] and [`send`] (run by [`engine`]) put it on the
+//! wire, [`stop`] ends the migration.
+//!
+//! The VM is never lost: any failure before COMMIT is written resumes the
+//! source VM; once COMMIT is written the source never resumes on its own.
+
+pub mod encode;
+pub mod engine;
+pub mod error;
+pub mod fetch;
+pub mod policy;
+mod precopy;
+pub mod send;
+mod stop;
+pub mod vm;
+pub mod zerocopy;
+
+use std::io::BufWriter;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tsubame_vmm::{memory, DirtyBitmap, VcpuStatus, PAGE_SIZE};
+
+pub use error::{PipelineError, SourceError};
+pub use vm::SourceVm;
+
+use self::encode::EncoderSetup;
+use self::engine::{Engine, EngineSetup};
+use self::policy::PrecopyPolicy;
+use self::send::{tcp_fd, write_frame_flushed, Writer};
+use self::zerocopy::GuestPages;
+use crate::digest;
+use crate::options::{MigrateOptions, ProgressCell};
+use crate::protocol::{self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError};
+use crate::stats::{process_cpu_seconds, thread_cpu_seconds, MigrationStats, Status};
+use crate::transport::{Address, Metered, Pacer, Stream};
+
+/// Migrates `vm` to `to`. Always returns statistics; `status` says
+/// whether it worked. On failure before commit the VM runs again here.
+pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progress: &ProgressCell) -> MigrationStats {
+    let start = Instant::now();
+    let cpu_process = process_cpu_seconds();
+    let cpu_thread = thread_cpu_seconds();
+    let mut run = SourceRun {
+        vm,
+        options,
+        progress,
+        stats: MigrationStats {
+            destination: to.to_string(),
+            memory_bytes: vm.memory_bytes(),
+            pages_total: memory::page_count(vm.memory()),
+            ..Default::default()
+        },
+        state: SourceState::Setup,
+        start,
+        pending: None,
+        reader: None,
+        engine: None,
+        bandwidth: Arc::new(AtomicU64::new(0)),
+        digest: None,
+        policy: PrecopyPolicy::default(),
+    };
+    progress.update(|p| {
+        p.phase = SourceState::Setup;
+        p.memory_bytes = vm.memory_bytes();
+    });
+    let result = run.run(to);
+    // Whatever happened, the guest runs at full speed from here (on
+    // failure it goes on here; after commit this copy is done with).
+    if run.policy.auto_converge.fraction > 0.0 {
+        vm.set_throttle(0.0);
+    }
+    let committed = run.committed();
+    run.finish_engine();
+    let mut stats = std::mem::take(&mut run.stats);
+    stats.total_time_ms = ms(start.elapsed());
+    stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
+    stats.cpu_seconds.source_migration_thread = thread_cpu_seconds() - cpu_thread;
+    match result {
+        Ok(()) => {
+            stats.status = Status::Completed;
+            progress.update(|p| p.phase = SourceState::Completed);
+        }
+        Err(e) => {
+            stats.status = Status::Failed;
+            // A broken connection often means the destination refused
+            // something and hung up: its ERROR frame says what.
+            let peer_said = match &e {
+                SourceError::Wire(WireError::Io(_)) | SourceError::Pipeline(_) => run.peer_error(),
+                _ => None,
+            };
+            let mut message = match peer_said {
+                Some(reason) => format!("destination refused: {reason}"),
+                None => error_chain(&e),
+            };
+            if !committed {
+                let _ = vm.set_dirty_logging(false);
+                if let Err(resume) = vm.resume() {
+                    message.push_str(&format!("; resuming the VM here failed too: {resume}"));
+                } else {
+                    message.push_str("; the VM keeps running here");
+                }
+            }
+            stats.error = Some(message);
+            progress.update(|p| p.phase = SourceState::Failed);
+        }
+    }
+    stats
+}
+
+/// "outer: inner: innermost", one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        // `#[error("...: {0}")]` with `#[from]` shows its source already.
+        let inner_text = inner.to_string();
+        if !text.ends_with(&inner_text) {
+            text.push_str(": ");
+            text.push_str(&inner_text);
+        }
+        source = inner.source();
+    }
+    text
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// One migration in progress: the source's state machine.
+struct SourceRun<'a> {
+    vm: &'a dyn SourceVm,
+    options: &'a MigrateOptions,
+    progress: &'a ProgressCell,
+    stats: MigrationStats,
+    state: SourceState,
+    start: Instant,
+    /// Dirty pages still to send when iterating stopped.
+    pending: Option<DirtyBitmap>,
+    /// Channel 0's reading half: replies, and a last ERROR frame.
+    reader: Option<std::io::BufReader<Stream>>,
+    /// The encode and send stages.
+    engine: Option<Engine>,
+    /// Measured link bandwidth for the codecs' payoff checks (f64 bits).
+    bandwidth: Arc<AtomicU64>,
+    /// The memory digest, hashed as pages go rather than during downtime.
+    digest: Option<digest::BackgroundDigest>,
+    /// When to stop iterating.
+    policy: PrecopyPolicy,
+}
+
+impl SourceRun<'_> {
+    /// Moves to `state`, which the progress bar and `query-migrate` show.
+    fn enter(&mut self, state: SourceState) {
+        self.state = state;
+        self.progress.update(|p| p.phase = state);
+    }
+
+    /// True once COMMIT went out: from then on only the destination may
+    /// run the VM.
+    fn committed(&self) -> bool {
+        matches!(self.state, SourceState::Committing | SourceState::Completed)
+    }
+
+    fn run(&mut self, to: &Address) -> Result<(), SourceError> {
+        let vm = self.vm;
+        let options = self.options;
+        options.check().map_err(SourceError::BadOptions)?;
+        match vm.status() {
+            VcpuStatus::Running => {}
+            other => {
+                return Err(SourceError::NotRunning(match other {
+                    VcpuStatus::Paused => "paused",
+                    VcpuStatus::Halted => "halted",
+                    _ => "not running",
+                }))
+            }
+        }
+        let layout =
+            ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
+        let pacer = Pacer::new(options.max_bandwidth);
+        let writers = self.connect(to, layout, &pacer)?;
+        self.stats.setup_time_ms = ms(self.start.elapsed());
+
+        let encoder_setup = EncoderSetup {
+            codecs: &options.codecs,
+            granularity: options.granularity,
+            detector: options.subpage_detector,
+            hash_mask: options.subpage_hash_mask,
+            pages_total: self.stats.pages_total,
+            layout,
+            bandwidth: self.bandwidth.clone(),
+            gpu: options.gpu,
+        };
+        self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer)?);
+
+        self.enter(SourceState::Iterating);
+        self.precopy()?;
+        self.stop_and_copy()
+    }
+
+    /// Connects every channel: the handshake, HELLO and ACCEPT on channel 0,
+    /// then the others, which name the session.
+    fn connect(&mut self, to: &Address, layout: ShardLayout, pacer: &Arc<Pacer>) -> Result<Vec<Writer>, SourceError> {
+        let options = self.options;
+        let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
+        stream.set_read_timeout(Some(options.io_timeout))?;
+        let reader = self.reader.insert(std::io::BufReader::new(stream.try_clone()?));
+        let mut writer: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer.clone()));
+        let mut frame = Vec::new();
+
+        protocol::write_preamble(&mut writer, protocol::VERSION)?;
+        protocol::read_preamble(reader)?;
+        let session = session_id();
+        let hello = Hello {
+            memory_bytes: self.vm.memory_bytes(),
+            page_size: PAGE_SIZE as u32,
+            vcpus: 1,
+            digest_region: options.digest_region,
+            granularity: options.granularity,
+            codecs: options.codecs.to_string(),
+            session,
+            channels: layout.channels,
+            shards: layout.shards,
+        };
+        write_frame_flushed(&mut writer, FrameKind::Hello, &hello.encode())?;
+        let kind = protocol::read_frame(reader, &mut frame)?;
+        self.state.check(kind)?;
+        if kind == FrameKind::Error {
+            return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
+        }
+        // The other channels name the session; the destination accepts
+        // them only after its ACCEPT.
+        let mut writers = vec![writer];
+        for channel in 1..layout.channels {
+            let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
+            stream.set_read_timeout(Some(options.io_timeout))?;
+            let mut w: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream.try_clone()?, pacer.clone()));
+            protocol::write_preamble(&mut w, protocol::VERSION)?;
+            write_frame_flushed(&mut w, FrameKind::Channel, &ChannelOpen { session, channel }.encode())?;
+            protocol::read_preamble(&mut std::io::BufReader::new(stream))?;
+            writers.push(w);
+        }
+        if options.zero_copy {
+            if GuestPages::of(self.vm.memory()).is_none() {
+                return Err(SourceError::BadOptions("--zero-copy needs guest memory in one mapping".into()));
+            }
+            for w in &writers {
+                let fd = tcp_fd(w).ok_or_else(|| {
+                    SourceError::BadOptions(format!(
+                        "--zero-copy needs a plain tcp: connection (no unix:, no --psk-file or --tls-*), not {to}"
+                    ))
+                })?;
+                zerocopy::enable(fd).map_err(|e| {
+                    SourceError::BadOptions(format!("--zero-copy: the kernel refused SO_ZEROCOPY ({e})"))
+                })?;
+            }
+        }
+        Ok(writers)
+    }
+
+    fn engine_setup(&self) -> EngineSetup {
+        EngineSetup {
+            pipelined: self.options.pipeline,
+            buffers: self.options.buffers,
+            guest: if self.options.zero_copy { GuestPages::of(self.vm.memory()) } else { None },
+        }
+    }
+
+    fn engine(&mut self) -> &mut Engine {
+        self.engine.as_mut().expect("engine runs while migrating")
+    }
+
+    /// Stops the pipeline's threads and takes their counters.
+    fn finish_engine(&mut self) {
+        let Some(engine) = self.engine.take() else { return };
+        self.stats.bytes_on_wire = engine.bytes();
+        let (encoders, pipeline) = engine.finish();
+        for encoder in &encoders {
+            self.stats.pages_zero += encoder.zero_pages;
+            for (name, s) in encoder.codec_stats().iter() {
+                let total = self.stats.codec.entry(name.to_string()).or_default();
+                total.pages += s.pages;
+                total.bytes_in += s.bytes_in;
+                total.bytes_out += s.bytes_out;
+            }
+            if let Some(sub) = encoder.subpage_stats() {
+                self.stats.subpage.get_or_insert_with(|| sub.clone().emptied()).add(sub);
+            }
+        }
+        if let Some(sub) = &mut self.stats.subpage {
+            sub.regions_repaired = self.stats.regions_repaired;
+        }
+        self.stats.pipeline = Some(pipeline);
+    }
+
+    /// After a broken connection: the destination's ERROR frame, if it
+    /// sent one before hanging up.
+    fn peer_error(&mut self) -> Option<String> {
+        let reader = self.reader.as_mut()?;
+        let _ = reader.get_ref().set_read_timeout(Some(Duration::from_millis(500)));
+        let mut frame = Vec::new();
+        for _ in 0..4 {
+            match protocol::read_frame(reader, &mut frame) {
+                Ok(FrameKind::Error) => return Some(ErrorMessage::decode(&frame).0),
+                Ok(_) => continue,
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+}
+
+/// A migration's name on its extra channels: unguessable enough that a
+/// stray connection cannot join another migration by accident.
+fn session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u32(std::process::id());
+    h.finish()
+}

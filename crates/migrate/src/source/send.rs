@@ -1,0 +1,140 @@
+//! The send stage: one [`SendStage`] per channel writes what its shards'
+//! encoders made, in order, and ends each iteration on its channel with an
+//! ITERATION_END once every shard it carries has ended it.
+
+use std::io::{BufWriter, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::encode::SendItem;
+use super::error::PipelineError;
+use super::zerocopy::{GuestPages, ZeroCopySender};
+use crate::protocol::{self, FrameKind, IterationEnd};
+use crate::stats::ZeroCopyStats;
+use crate::transport::{Metered, Pacer, Stream};
+
+/// A channel's writer, shared by its send stage and (between iterations,
+/// for control frames) the migration thread.
+pub type Writer = BufWriter<Metered<Stream>>;
+
+/// How long a sender waits for the kernel to finish with its buffers: as
+/// long as a silent destination may take to read them.
+const ZERO_COPY_PATIENCE: Duration = Duration::from_secs(30);
+
+/// One channel's sender.
+pub struct SendStage {
+    channel: u16,
+    /// Shards this channel carries: ITERATION_END waits for each.
+    shards: usize,
+    writer: Arc<Mutex<Writer>>,
+    pacer: Arc<Pacer>,
+    /// `--zero-copy`: guest memory, where raw pages come from.
+    guest: Option<GuestPages>,
+    zero_copy: ZeroCopySender,
+    /// Zero-copy header buffers the kernel may hold while we go on: one
+    /// when threads keep encoders busy meanwhile, none when run in turn.
+    keep: usize,
+    /// Shards that ended the iteration in progress, and their records.
+    ends: usize,
+    records: u64,
+}
+
+impl SendStage {
+    /// The send stage of `channel`, which carries `shards` shards.
+    pub fn new(
+        channel: u16,
+        shards: usize,
+        writer: Arc<Mutex<Writer>>,
+        pacer: Arc<Pacer>,
+        guest: Option<GuestPages>,
+        keep: usize,
+    ) -> SendStage {
+        SendStage {
+            channel,
+            shards,
+            writer,
+            pacer,
+            guest,
+            zero_copy: ZeroCopySender::default(),
+            keep,
+            ends: 0,
+            records: 0,
+        }
+    }
+
+    /// Sends one item. Returns the buffers it is done with (to reuse) and,
+    /// when the item ended the iteration on this channel, the records the
+    /// channel carried in it (ITERATION_END is written and flushed then).
+    pub fn send(&mut self, item: SendItem) -> Result<(Vec<Vec<u8>>, Option<u64>), PipelineError> {
+        let write = |source| PipelineError::Write { channel: self.channel, source };
+        match item {
+            SendItem::Frames(bytes) => {
+                self.writer.lock().unwrap().write_all(&bytes).map_err(write)?;
+                Ok((vec![bytes], None))
+            }
+            SendItem::ZeroCopy(headers) => {
+                let guest = self.guest.as_ref().expect("zero-copy batches come with guest memory");
+                let mut writer = self.writer.lock().unwrap();
+                let released =
+                    send_by_reference(&mut writer, &mut self.zero_copy, headers, guest, &self.pacer, self.keep);
+                Ok((released.map_err(write)?, None))
+            }
+            SendItem::End { iteration, records } => {
+                self.ends += 1;
+                self.records += records;
+                if self.ends < self.shards {
+                    return Ok((Vec::new(), None));
+                }
+                let records = std::mem::take(&mut self.records);
+                self.ends = 0;
+                let end = IterationEnd { iteration, records };
+                write_frame_flushed(&mut *self.writer.lock().unwrap(), FrameKind::IterationEnd, &end.encode())
+                    .map_err(write)?;
+                Ok((Vec::new(), Some(records)))
+            }
+        }
+    }
+
+    /// Waits (briefly) for the kernel to finish the channel's zero-copy
+    /// sends; returns their counters.
+    pub fn finish(mut self) -> ZeroCopyStats {
+        if self.zero_copy.stats.sends > 0 {
+            if let Some(fd) = tcp_fd(&self.writer.lock().unwrap()) {
+                let _ = self.zero_copy.settle(fd, 0, Duration::from_secs(2));
+            }
+        }
+        self.zero_copy.stats
+    }
+}
+
+/// Writes a frame and flushes the writer.
+pub fn write_frame_flushed(w: &mut impl Write, kind: FrameKind, payload: &[u8]) -> std::io::Result<()> {
+    protocol::write_frame(w, kind, payload)?;
+    w.flush()
+}
+
+/// The socket under a writer, when it is TCP (zero-copy needs one).
+pub fn tcp_fd(writer: &Writer) -> Option<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    match writer.get_ref().get_ref() {
+        Stream::Tcp(s) => Some(s.as_raw_fd()),
+        _ => None,
+    }
+}
+
+/// Sends zero-copy frames on a channel, after whatever its writer holds,
+/// then waits until the kernel holds at most `keep` header buffers; returns
+/// the buffers it is done with.
+fn send_by_reference(
+    writer: &mut Writer,
+    sender: &mut ZeroCopySender,
+    headers: Vec<u8>,
+    guest: &GuestPages,
+    pacer: &Pacer,
+    keep: usize,
+) -> std::io::Result<Vec<Vec<u8>>> {
+    writer.flush()?;
+    let fd = tcp_fd(writer).ok_or_else(|| std::io::Error::other("--zero-copy needs a TCP connection"))?;
+    sender.send(fd, headers, guest, &|n| pacer.pace(n))?;
+    sender.settle(fd, keep, ZERO_COPY_PATIENCE)
+}

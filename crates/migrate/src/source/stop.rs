@@ -1,0 +1,145 @@
+//! Stop-and-copy: pause the guest, send the last dirty pages, the vCPU and
+//! device state and the memory digest, re-send regions the destination
+//! finds different, and commit once it is ready.
+
+use std::time::Instant;
+
+use tsubame_vmm::{memory, PAGE_SIZE};
+
+use super::send::write_frame_flushed;
+use super::{ms, SourceError, SourceRun};
+use crate::protocol::{self, Digest, ErrorMessage, FrameKind, Mismatch, Resumed, SourceState, MAX_REPAIR_ROUNDS};
+use crate::stats::DowntimeBreakdown;
+
+impl SourceRun<'_> {
+    /// Pauses the guest, sends the last dirty pages, state and digest, and
+    /// commits once the destination is ready.
+    pub(super) fn stop_and_copy(&mut self) -> Result<(), SourceError> {
+        // The reader goes back whatever happens: after a failure it may
+        // still hold the destination's ERROR frame.
+        let mut reader = self.reader.take().expect("connected");
+        let result = self.stop_and_copy_reading(&mut reader);
+        self.reader = Some(reader);
+        result
+    }
+
+    fn stop_and_copy_reading(&mut self, reader: &mut impl std::io::Read) -> Result<(), SourceError> {
+        let vm = self.vm;
+        let mut frame = Vec::new();
+        let mut pending = self.pending.take().expect("precopy leaves the pending dirty set");
+        self.enter(SourceState::StopAndCopy);
+        let paused = Instant::now();
+        let mut lap = paused;
+        let mut laps = |slot: &mut f64| {
+            let now = Instant::now();
+            *slot = ms(now - lap);
+            lap = now;
+        };
+        let mut breakdown = DowntimeBreakdown::default();
+        vm.pause()?;
+        laps(&mut breakdown.pause_ms);
+        // With manual protect KVM's bits stay set until cleared, so the new
+        // log is a superset of them; the VMM's own writes were taken with
+        // the last log and are only in `pending`: keep both.
+        let mut fresh = vm.dirty_bitmap();
+        vm.dirty_log(&mut fresh)?;
+        pending.union_with(&fresh);
+        let iteration = self.stats.iterations;
+        let it = self.send_dirty(&pending, iteration)?;
+        self.stats.per_iteration.push(it);
+        laps(&mut breakdown.final_pages_ms);
+
+        // Every channel ended the iteration: channel 0 carries the rest.
+        let blob = vm.state_blob()?;
+        self.write_control(FrameKind::State, &blob)?;
+        laps(&mut breakdown.state_ms);
+        // Only the last pages (and what the hasher has not reached) need
+        // hashing now.
+        self.refresh_digest(&pending);
+        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
+        let region_count = hashes.len();
+        let digest = Digest { region: self.options.digest_region, hashes }.encode();
+        self.write_control(FrameKind::Digest, &digest)?;
+        self.stats.bytes_on_wire = self.engine().bytes();
+        laps(&mut breakdown.source_digest_ms);
+
+        let mut rounds = 0;
+        loop {
+            let kind = protocol::read_frame(reader, &mut frame)?;
+            self.state.check(kind)?;
+            match kind {
+                FrameKind::Ready => break,
+                FrameKind::Mismatch if rounds < MAX_REPAIR_ROUNDS => {
+                    rounds += 1;
+                    let mismatch = Mismatch::decode(&frame, region_count)?;
+                    self.resend_regions(&mismatch.regions, iteration + rounds)?;
+                    self.write_control(FrameKind::Digest, &digest)?;
+                }
+                FrameKind::Error => return Err(SourceError::Refused(ErrorMessage::decode(&frame).0)),
+                other => return Err(protocol::WireError::Unexpected { got: other, expected: "READY" }.into()),
+            }
+        }
+        self.stats.digest_verified = true;
+        laps(&mut breakdown.destination_verify_ms);
+
+        // The point of no return: once COMMIT is out, only the destination
+        // may run the VM. A failed write means it cannot have arrived whole.
+        self.write_control(FrameKind::Commit, &[])?;
+        self.enter(SourceState::Committing);
+        let confirmed =
+            protocol::read_frame(reader, &mut frame).map_err(|e| SourceError::CommitUnconfirmed(e.to_string()))?;
+        if confirmed != FrameKind::Resumed {
+            return Err(SourceError::CommitUnconfirmed(format!("got {confirmed:?} instead of RESUMED")));
+        }
+        laps(&mut breakdown.commit_ms);
+        self.stats.downtime_ms = ms(paused.elapsed());
+        self.stats.downtime_breakdown = breakdown;
+        if let Ok(resumed) = Resumed::decode(&frame) {
+            self.stats.cpu_seconds.destination = resumed.cpu_micros as f64 / 1e6;
+        }
+        self.stats.bytes_on_wire = self.engine().bytes();
+        Ok(())
+    }
+
+    /// Writes a control frame on channel 0 and flushes it.
+    fn write_control(&mut self, kind: FrameKind, payload: &[u8]) -> Result<(), SourceError> {
+        let mut writer = self.engine().writer(0);
+        write_frame_flushed(&mut *writer, kind, payload)?;
+        Ok(())
+    }
+
+    /// Sends every page of the given digest regions whole, through the
+    /// pages' own shards so the codec caches see them in order: the repair
+    /// pass after the destination reported a mismatch.
+    fn resend_regions(&mut self, regions: &[u32], iteration: u32) -> Result<(), SourceError> {
+        let vm = self.vm;
+        let pages_per_region = (self.options.digest_region as usize / PAGE_SIZE) as u64;
+        let layout = self.engine().layout();
+        let mut batch: Option<super::fetch::Batch> = None;
+        let mut batch_first = u64::MAX;
+        for &region in regions {
+            let first = region as u64 * pages_per_region;
+            for index in first..(first + pages_per_region).min(self.stats.pages_total) {
+                let chunk_first = index - index % layout.batch_pages;
+                if batch.is_some() && chunk_first != batch_first {
+                    self.engine().submit(batch.take().unwrap())?;
+                }
+                if batch.is_none() {
+                    let mut fresh = self.engine().take_batch()?;
+                    fresh.clear(iteration, layout.shard(chunk_first), true);
+                    batch = Some(fresh);
+                    batch_first = chunk_first;
+                }
+                let b = batch.as_mut().unwrap();
+                memory::read_page(vm.memory(), index, b.next_slot()).map_err(tsubame_vmm::VmError::from)?;
+                b.push(index, true);
+            }
+        }
+        if let Some(b) = batch {
+            self.engine().submit(b)?;
+        }
+        self.stats.pages_sent += self.engine().end_iteration(iteration)?;
+        self.stats.regions_repaired += regions.len() as u64;
+        Ok(())
+    }
+}
