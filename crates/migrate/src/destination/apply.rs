@@ -12,7 +12,7 @@ use tsubame_vmm::PAGE_SIZE;
 use vm_memory::bitmap::AtomicBitmap;
 
 use super::dispatch::{ShardWork, Shared};
-use super::ReceiveError;
+use super::error::ReceiveError;
 use crate::buffer_budget::recycle;
 use crate::protocol::pages::{for_each_record, for_each_subpage, shard_of, CompressedHeader, Encoding, MAX_UNPACKED};
 use crate::protocol::{FrameKind, WireError};

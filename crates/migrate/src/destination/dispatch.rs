@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::receiver::LeasedFrame;
-use super::ReceiveError;
-use crate::buffer_budget::{BufferBudget, Lease};
+use super::error::ReceiveError;
+use crate::buffer_budget::{recycle, BufferBudget, Lease};
 use crate::protocol::pages::shard_of;
 use crate::protocol::{self, ChannelOpen, FrameKind, IterationEnd, ShardLayout, WireError};
 use crate::transport::{Listener, Stream};
@@ -28,6 +27,32 @@ impl<R: Read> Read for Counted<R> {
         let n = self.inner.read(buf)?;
         self.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
+    }
+}
+
+/// A frame buffer whose payload bytes are reserved from the receive's
+/// [`BufferBudget`] while the frame is held.
+pub(super) struct LeasedFrame {
+    pub(super) buf: Vec<u8>,
+    pub(super) lease: Option<Lease>,
+    pub(super) budget: Arc<BufferBudget>,
+    pub(super) stopped: Arc<AtomicBool>,
+}
+
+impl LeasedFrame {
+    pub(super) fn new(budget: Arc<BufferBudget>, stopped: Arc<AtomicBool>) -> LeasedFrame {
+        LeasedFrame { buf: Vec::new(), lease: None, budget, stopped }
+    }
+
+    /// Reads the next frame, giving back the previous one's bytes first.
+    pub(super) fn read(&mut self, r: &mut impl Read) -> Result<FrameKind, ReceiveError> {
+        self.lease = None;
+        recycle(&mut self.buf);
+        let (budget, stop, lease) = (&self.budget, &self.stopped, &mut self.lease);
+        protocol::read_frame_reserving(r, &mut self.buf, |len| {
+            *lease = budget.reserve(len, &|| stop.load(Ordering::Acquire));
+            lease.as_ref().map(|_| ()).ok_or_else(stopped)
+        })
     }
 }
 

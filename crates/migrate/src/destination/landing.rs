@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
-use super::ReceiveError;
+use super::error::ReceiveError;
 
 /// Where an incoming VM lands: a real VM, or (fuzzing, tests) plain memory.
 pub trait Landing {

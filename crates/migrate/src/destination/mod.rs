@@ -9,7 +9,9 @@
 
 mod apply;
 mod dispatch;
+mod error;
 pub mod landing;
+mod options;
 mod receiver;
 
 use std::io::{BufReader, Read, Write};
@@ -19,93 +21,16 @@ use std::time::{Duration, Instant};
 
 use tsubame_vmm::Vm;
 
+pub use error::ReceiveError;
 pub use landing::{Landing, MemoryLanding};
+pub use options::ReceiveOptions;
 
 use self::dispatch::{ChannelSource, Counted};
 use self::landing::VmLanding;
 use self::receiver::StreamReceiver;
-use crate::protocol::{self, ErrorMessage, FrameKind, Resumed, WireError};
+use crate::protocol::{self, ErrorMessage, FrameKind, Resumed};
 use crate::stats::process_cpu_seconds;
-use crate::transport::{Listener, Stream, TransportError};
-
-/// What the receiver may insist on.
-#[derive(Debug, Clone)]
-pub struct ReceiveOptions {
-    /// Refuse a VM whose memory size differs.
-    pub expect_memory: Option<u64>,
-    /// Give up when the source is silent this long.
-    pub io_timeout: Duration,
-    /// Back guest memory with transparent huge pages.
-    pub hugepages: bool,
-    /// What the source's extra channels must pass (channel 0 is
-    /// protected by whoever accepted it).
-    pub security: crate::transport::Security,
-    /// Frame bytes held at once across all channels and decoders; a peer
-    /// that sends faster than they decode waits (docs/security.md).
-    pub in_flight_limit: usize,
-}
-
-impl Default for ReceiveOptions {
-    fn default() -> Self {
-        ReceiveOptions {
-            expect_memory: None,
-            io_timeout: Duration::from_secs(30),
-            hugepages: true,
-            security: Default::default(),
-            in_flight_limit: crate::buffer_budget::IN_FLIGHT_LIMIT,
-        }
-    }
-}
-
-/// Why an incoming migration failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ReceiveError {
-    /// Accepting.
-    #[error(transparent)]
-    Transport(#[from] TransportError),
-    /// The stream.
-    #[error("migration stream: {0}")]
-    Wire(#[from] WireError),
-    /// Building the VM.
-    #[error("VM: {0}")]
-    Vm(#[from] tsubame_vmm::VmError),
-    /// The source's setup does not fit this destination.
-    #[error("{0}")]
-    Mismatch(String),
-    /// A receiving thread stopped (another failed first and says why).
-    #[error("a receiving thread stopped")]
-    ThreadStopped,
-    /// The source gave up and said why.
-    #[error("source aborted: {0}")]
-    SourceAborted(String),
-    /// The memory does not match the source's digest.
-    #[error("memory digest mismatch in {count} of {total} regions (first at byte {first:#x})")]
-    DigestMismatch {
-        /// Regions that differ.
-        count: usize,
-        /// Regions compared.
-        total: usize,
-        /// Address of the first differing region.
-        first: u64,
-    },
-    /// The VM state blob did not decode.
-    #[error("VM state frame does not decode: {0}")]
-    BadState(String),
-    /// An extra channel failed.
-    #[error("channel {channel}: {source}")]
-    Channel {
-        /// Which channel.
-        channel: u16,
-        /// What went wrong on it.
-        source: Box<ReceiveError>,
-    },
-}
-
-impl From<std::io::Error> for ReceiveError {
-    fn from(e: std::io::Error) -> Self {
-        ReceiveError::Wire(WireError::Io(e))
-    }
-}
+use crate::transport::{Listener, Stream};
 
 /// A VM that arrived and runs here now.
 pub struct Incoming {

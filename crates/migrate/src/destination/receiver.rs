@@ -12,42 +12,17 @@ use tsubame_codec::{CodecList, PageDecoder};
 use tsubame_vmm::memory::{self, GuestMemory};
 
 use super::apply::{PageMarks, ShardWorker};
-use super::dispatch::{channel_loop, stopped, ChannelSource, Dispatcher, ShardWork, Shared};
+use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
+use super::error::ReceiveError;
 use super::landing::Landing;
-use super::{ReceiveError, ReceiveOptions};
-use crate::buffer_budget::{recycle, BufferBudget, Lease};
+use super::options::ReceiveOptions;
+use crate::buffer_budget::BufferBudget;
 use crate::digest::BackgroundDigest;
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
     self, shard_codecs, Digest, ErrorMessage, FrameKind, Hello, Mismatch, ReceiverState, ShardLayout, WireError,
     MAX_REPAIR_ROUNDS,
 };
-
-/// A frame buffer whose payload bytes are reserved from the receive's
-/// [`BufferBudget`] while the frame is held.
-pub(super) struct LeasedFrame {
-    pub(super) buf: Vec<u8>,
-    pub(super) lease: Option<Lease>,
-    pub(super) budget: Arc<BufferBudget>,
-    pub(super) stopped: Arc<AtomicBool>,
-}
-
-impl LeasedFrame {
-    pub(super) fn new(budget: Arc<BufferBudget>, stopped: Arc<AtomicBool>) -> LeasedFrame {
-        LeasedFrame { buf: Vec::new(), lease: None, budget, stopped }
-    }
-
-    /// Reads the next frame, giving back the previous one's bytes first.
-    pub(super) fn read(&mut self, r: &mut impl Read) -> Result<FrameKind, ReceiveError> {
-        self.lease = None;
-        recycle(&mut self.buf);
-        let (budget, stop, lease) = (&self.budget, &self.stopped, &mut self.lease);
-        protocol::read_frame_reserving(r, &mut self.buf, |len| {
-            *lease = budget.reserve(len, &|| stop.load(Ordering::Acquire));
-            lease.as_ref().map(|_| ()).ok_or_else(stopped)
-        })
-    }
-}
 
 /// Frame buffers each channel keeps in flight.
 const BUFFERS_PER_CHANNEL: usize = 8;

@@ -4,7 +4,7 @@
 
 use super::fields::{put_string, Fields};
 use super::kind::{FrameKind, WireError};
-use super::{check_granularity, MAX_CHANNELS, MAX_SHARDS};
+use super::limits::{check_granularity, MAX_CHANNELS, MAX_SHARDS};
 
 /// Longest codec list in a HELLO.
 pub const MAX_CODECS: usize = 256;

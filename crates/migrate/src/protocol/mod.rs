@@ -30,6 +30,7 @@
 pub mod fields;
 pub mod frame;
 pub mod kind;
+pub mod limits;
 pub mod messages;
 pub mod pages;
 pub mod shard;
@@ -41,23 +42,7 @@ pub use frame::{
     zero_copy_frame_header, FRAME_HEADER_LEN, PREAMBLE_LEN,
 };
 pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
+pub use limits::{check_granularity, MAX_CHANNELS, MAX_REPAIR_ROUNDS, MAX_SHARDS};
 pub use messages::{ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed};
 pub use shard::{shard_codecs, ShardLayout};
 pub use state::{ReceiverState, SourceState};
-
-/// Most channels of one migration.
-pub const MAX_CHANNELS: u16 = 16;
-/// Most codec shards of one migration.
-pub const MAX_SHARDS: u16 = 64;
-/// Times a destination asks for mismatched digest regions (and a source
-/// re-sends them) before the migration fails.
-pub const MAX_REPAIR_ROUNDS: u32 = 2;
-
-/// Checks a sub-page granularity: a power of two from 64 to 4096 bytes.
-pub fn check_granularity(bytes: u32) -> Result<(), String> {
-    if bytes.is_power_of_two() && (64..=tsubame_codec::PAGE_SIZE as u32).contains(&bytes) {
-        Ok(())
-    } else {
-        Err(format!("granularity {bytes} must be a power of two from 64 to 4096"))
-    }
-}

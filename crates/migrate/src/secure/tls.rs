@@ -35,11 +35,13 @@ use rustls::{
     RootCertStore, ServerConfig, ServerConnection,
 };
 
-use super::record::{alert_name, RecordFormat, TLS_MAX_CIPHERTEXT};
-use super::{Opener, RecordLayer, Role, Sealer, SecureError};
+use super::error::SecureError;
+use super::layer::RecordLayer;
+use super::psk::Role;
+use super::record::{Opener, Sealer};
+use super::record_format::{alert_name, RecordFormat, TLS_MAX_CIPHERTEXT};
 
-/// The TLS mode, for messages.
-pub const MODE_NAME: &str = "TLS certificates (--tls-cert, --tls-key, --tls-ca)";
+pub use super::modes::MODE_NAME;
 /// What the server sends once it has accepted the client's certificate.
 const CONFIRM: u8 = 0x01;
 
@@ -242,23 +244,23 @@ fn read_record(
 ) -> Result<(), SecureError> {
     let mut record = vec![0u8; 5];
     io.read_exact(&mut record).map_err(closed)?;
-    if record[..5] == crate::protocol::MAGIC[..5] || record[..5] == super::MAGIC[..5] {
+    if record[..5] == crate::protocol::MAGIC[..5] || record[..5] == super::modes::MAGIC[..5] {
         let plain = record[..5] == crate::protocol::MAGIC[..5];
         if role == Role::Server {
             // Take the rest of its greeting (so closing does not reset the
             // connection under our answer), then tell the tsubame peer why
             // in the greeting it understands.
-            let rest = if plain { crate::protocol::PREAMBLE_LEN } else { super::HELLO_LEN } - 5;
+            let rest = if plain { crate::protocol::PREAMBLE_LEN } else { super::modes::HELLO_LEN } - 5;
             let _ = io.read_exact(&mut vec![0u8; rest]);
-            let mut hello = [0u8; super::HELLO_LEN];
-            hello[..8].copy_from_slice(&super::MAGIC);
-            hello[8] = super::MODE_TLS;
+            let mut hello = [0u8; super::modes::HELLO_LEN];
+            hello[..8].copy_from_slice(&super::modes::MAGIC);
+            hello[8] = super::modes::MODE_TLS;
             let _ = io.write_all(&hello).and_then(|_| io.flush());
         }
         return Err(if plain {
             SecureError::NotSecure("it sent a plain migration preamble")
         } else {
-            SecureError::ModeMismatch { ours: MODE_NAME, theirs: super::PSK_MODE }
+            SecureError::ModeMismatch { ours: MODE_NAME, theirs: super::modes::PSK_MODE }
         });
     }
     let valid = (0x14..=0x17).contains(&record[0]) && record[1] == 0x03;
@@ -484,7 +486,7 @@ mod tests {
                 &crate::protocol::MAGIC[..],
                 "the peer did not start a secure handshake (it sent a plain migration preamble)",
             ),
-            (&super::super::MAGIC[..], "the peer wants a pre-shared key (--psk-file) and this end uses TLS"),
+            (&super::super::modes::MAGIC[..], "the peer wants a pre-shared key (--psk-file) and this end uses TLS"),
         ] {
             let (mut x, mut y) = UnixStream::pair().unwrap();
             x.write_all(greeting).unwrap();
@@ -492,7 +494,7 @@ mod tests {
             let e = tls_handshake(&mut y, &config, Role::Server, "").unwrap_err().to_string();
             assert!(e.starts_with(expected), "{e}");
             // The destination answers with a HELLO naming TLS.
-            let mut hello = [0u8; super::super::HELLO_LEN];
+            let mut hello = [0u8; super::super::modes::HELLO_LEN];
             x.read_exact(&mut hello).unwrap();
             let e = super::super::check_hello(&hello).unwrap_err().to_string();
             assert!(e.starts_with("the peer wants TLS certificates"), "{e}");

@@ -1,130 +1,14 @@
-//! Authenticated, encrypted connections: a pre-shared-key handshake and an
-//! AEAD record layer under the migration stream (docs/security.md).
-//!
-//! Handshake, per connection, before any byte of the migration stream:
-//!
-//! ```text
-//! client (source)                          server (destination)
-//!   | HELLO: magic, mode, nonce_c (32)  --->  |
-//!   |       <---  HELLO: magic, mode, nonce_s |
-//!   | proof_c = HMAC(k_auth_c, transcript) -> |  checks it
-//!   |       <---  status (0 ok | 1 refused), proof_s
-//!   | status (0 ok | 1 refused)         --->  |  (client checked proof_s)
-//! ```
-//!
-//! `prk = HKDF-SHA256-Extract(salt = nonce_c || nonce_s, ikm = PSK)`; the
-//! two proof keys and the two traffic keys (one per direction) are
-//! expanded from it under distinct labels. Fresh nonces on both sides make
-//! every session's keys new, so a recorded session cannot be replayed, and
-//! a proof never opens the other direction's check.
-//!
-//! Mutual TLS 1.3 (`--tls-cert`, `--tls-key`, `--tls-ca`) is the other
-//! mode: [`tls`] runs rustls's handshake and hands its traffic keys to the
-//! same record layer ([`record`]), in the TLS 1.3 record format.
-//!
-//! Records, each direction independent: see [`record`]. A record that
-//! fails to open ends the connection.
+//! The pre-shared-key handshake (see [`super`] for the exchange): both
+//! ends prove they hold the key, and derive one traffic key per direction.
 
 use std::io::{Read, Write};
-use std::sync::Mutex;
 
 use ring::hkdf;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
-pub mod record;
-pub mod tls;
-
-pub use record::{Opener, RecordFormat, Sealer, MAX_RECORD};
-pub use tls::{tls_handshake, TlsConfig};
-
-/// First bytes of the handshake (never a valid migration preamble).
-pub use crate::protocol::SECURE_MAGIC as MAGIC;
-const NONCE_LEN: usize = 32;
-/// Handshake HELLO: magic, mode, nonce.
-pub const HELLO_LEN: usize = 8 + 1 + NONCE_LEN;
-/// Mode byte of the pre-shared-key handshake.
-pub const MODE_PSK: u8 = 1;
-/// Mode byte a TLS end answers a tsubame HELLO with, so that a
-/// pre-shared-key or plain peer learns why it is refused (TLS itself
-/// starts with a ClientHello, not with this HELLO).
-pub const MODE_TLS: u8 = 2;
-/// Shortest pre-shared key accepted.
-pub const MIN_PSK: usize = 16;
-/// The pre-shared-key mode, for messages.
-const PSK_MODE: &str = "a pre-shared key (--psk-file)";
-
-/// Why a secure connection could not be set up or used.
-#[derive(Debug, thiserror::Error)]
-pub enum SecureError {
-    /// The connection failed during the handshake.
-    #[error("handshake: {0}")]
-    Io(#[from] std::io::Error),
-    /// The peer speaks plain migration or another protocol.
-    #[error("the peer did not start a secure handshake ({0}); give both ends the same --psk-file or --tls-* flags, or --insecure on both for plain TCP")]
-    NotSecure(&'static str),
-    /// The peer authenticates another way.
-    #[error("the peer wants {theirs} and this end uses {ours}: give both ends the same --psk-file, or each its --tls-cert, --tls-key and --tls-ca")]
-    ModeMismatch {
-        /// This end's mode.
-        ours: &'static str,
-        /// The peer's.
-        theirs: &'static str,
-    },
-    /// The peer's proof did not verify: it holds another key.
-    #[error("the peer failed authentication: it does not hold our pre-shared key")]
-    PeerNotAuthenticated,
-    /// The peer said our proof did not verify.
-    #[error("the peer refused us: we do not hold its pre-shared key")]
-    RefusedByPeer,
-    /// A pre-shared-key file is unusable.
-    #[error("pre-shared key {path}: {reason}")]
-    BadKey {
-        /// The file.
-        path: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A certificate, key or CA file is unusable.
-    #[error("{flag} {path}: {reason}")]
-    BadTlsFile {
-        /// The flag that named it.
-        flag: &'static str,
-        /// The file.
-        path: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The peer's certificate does not chain to our CA.
-    #[error("the peer's certificate is not signed by --tls-ca")]
-    UntrustedCertificate,
-    /// The peer sent no certificate.
-    #[error("the peer sent no certificate")]
-    NoCertificate,
-    /// The peer's certificate is unacceptable for another reason.
-    #[error("the peer's certificate is not acceptable: {0}")]
-    BadPeerCertificate(String),
-    /// The peer refused our certificate.
-    #[error("the peer refused our certificate{why} (TLS alert {alert})")]
-    CertificateRefused {
-        /// The alert it sent.
-        alert: &'static str,
-        /// What the alert means, when it says.
-        why: &'static str,
-    },
-    /// The peer ended the handshake with an alert.
-    #[error("the peer ended the TLS handshake with alert {0}")]
-    TlsAlert(&'static str),
-    /// The peer hung up during the TLS handshake.
-    #[error("the peer closed the connection during the TLS handshake")]
-    TlsClosed,
-    /// Both a pre-shared key and TLS certificates were given.
-    #[error("--psk-file and --tls-* exclude each other: choose one")]
-    BothModes,
-    /// Anything else rustls refused.
-    #[error("TLS handshake: {0}")]
-    Tls(rustls::Error),
-}
+use super::error::SecureError;
+use super::modes::{HELLO_LEN, MAGIC, MIN_PSK, MODE_NAME, MODE_PSK, MODE_TLS, NONCE_LEN, PSK_MODE};
 
 /// A pre-shared key (at least [`MIN_PSK`] bytes).
 #[derive(Clone)]
@@ -207,7 +91,7 @@ pub fn psk_handshake(io: &mut (impl Read + Write), psk: &Psk, role: Role) -> Res
     let mut theirs_hello = [0u8; HELLO_LEN];
     io.read_exact(&mut theirs_hello[..8])?;
     if let Err(e) = check_magic(&theirs_hello[..8]) {
-        if tls::is_client_hello(&theirs_hello) {
+        if crate::protocol::kind::is_tls_client_hello(&theirs_hello) {
             // Take the rest of the ClientHello record, so that closing does
             // not reset the connection before the TLS peer reads our HELLO.
             let rest = u16::from_be_bytes([theirs_hello[3], theirs_hello[4]]) as usize;
@@ -274,7 +158,7 @@ pub fn check_hello(hello: &[u8; HELLO_LEN]) -> Result<[u8; NONCE_LEN], SecureErr
     check_magic(&hello[..8])?;
     match hello[8] {
         MODE_PSK => {}
-        MODE_TLS => return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: tls::MODE_NAME }),
+        MODE_TLS => return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: MODE_NAME }),
         _ => return Err(SecureError::NotSecure("it asks for an unknown mode")),
     }
     Ok(hello[9..].try_into().expect("32 bytes"))
@@ -284,8 +168,8 @@ fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
     if magic == crate::protocol::MAGIC {
         return Err(SecureError::NotSecure("it sent a plain migration preamble"));
     }
-    if tls::is_client_hello(magic) {
-        return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: tls::MODE_NAME });
+    if crate::protocol::kind::is_tls_client_hello(magic) {
+        return Err(SecureError::ModeMismatch { ours: PSK_MODE, theirs: MODE_NAME });
     }
     if magic != MAGIC {
         return Err(SecureError::NotSecure("unknown first bytes"));
@@ -293,36 +177,10 @@ fn check_magic(magic: &[u8]) -> Result<(), SecureError> {
     Ok(())
 }
 
-/// Both directions of a secured connection; shared by its handles, each
-/// direction under its own lock (one thread reads, another writes).
-pub struct RecordLayer {
-    /// Receiving side.
-    pub rx: Mutex<Opener>,
-    /// Sending side.
-    pub tx: Mutex<Sealer>,
-}
-
-impl std::fmt::Debug for RecordLayer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RecordLayer(..)")
-    }
-}
-
-impl RecordLayer {
-    /// A channel for a pre-shared-key session's keys.
-    pub fn new(keys: &Keys) -> RecordLayer {
-        RecordLayer::from_halves(Opener::new(&keys.receive), Sealer::new(&keys.send))
-    }
-
-    /// A channel of two directions' states.
-    pub fn from_halves(rx: Opener, tx: Sealer) -> RecordLayer {
-        RecordLayer { rx: Mutex::new(rx), tx: Mutex::new(tx) }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::secure::record::{Opener, Sealer};
     use std::os::unix::net::UnixStream;
 
     fn pair(a: &[u8], b: &[u8]) -> (Result<Keys, SecureError>, Result<Keys, SecureError>) {
