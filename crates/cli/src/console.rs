@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use serde::Serialize;
+use tsubame_vmm::guest_elf::{parse_progress, ProgressLine};
 use tsubame_vmm::ConsoleLine;
 
 /// The guest's progress as its `tsb ops=N pass=M` lines tell it.
@@ -31,16 +32,9 @@ pub struct GuestProgress {
     window: std::collections::VecDeque<(Instant, u64)>,
 }
 
-/// Splits `tsb ops=N pass=M`.
-pub fn parse_progress(line: &str) -> Option<(u64, u64)> {
-    let rest = line.strip_prefix("tsb ops=")?;
-    let (ops, pass) = rest.split_once(" pass=")?;
-    Some((ops.parse().ok()?, pass.trim().parse().ok()?))
-}
-
 impl GuestProgress {
     fn record(&mut self, at: Instant, text: &str) {
-        if let Some((ops, pass)) = parse_progress(text) {
+        if let Some(ProgressLine { ops, pass }) = parse_progress(text) {
             self.lines += 1;
             self.ops = ops;
             self.pass = pass;
@@ -139,13 +133,6 @@ impl Drop for ConsoleFollower {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_progress_lines() {
-        assert_eq!(parse_progress("tsb ops=12 pass=3"), Some((12, 3)));
-        assert_eq!(parse_progress("tsb ops=x pass=3"), None);
-        assert_eq!(parse_progress("hello"), None);
-    }
 
     #[test]
     fn rates_from_lines() {

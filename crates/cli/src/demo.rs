@@ -10,8 +10,8 @@ use clap::Args;
 use serde_json::{json, Value};
 use tsubame_migrate::{source, Address, ProgressCell};
 
+use crate::console::{ConsoleFollower, Echo};
 use crate::control::ControlClient;
-use crate::guest_host::{ConsoleFollower, Echo};
 use crate::migrate_cmd::{print_summary, progress_bar, progress_message, write_json, MigrateFlags};
 use crate::run::VmArgs;
 use crate::usage_error;
@@ -140,7 +140,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         std::thread::spawn(move || source::migrate(&*vm, &to, &options, &progress))
     };
     while !engine.is_finished() {
-        bar.set_message(progress_message(&serde_json::to_value(progress.get())?));
+        bar.set_message(progress_message(&progress.get()));
         std::thread::sleep(Duration::from_millis(100));
     }
     let stats = engine.join().expect("migration thread");
@@ -149,7 +149,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let mut json_stats = serde_json::to_value(&stats)?;
 
     if stats.status != tsubame_migrate::stats::Status::Completed {
-        print_summary(&json_stats);
+        print_summary(&stats);
         write_json(&args.flags.json, &json_stats)?;
         let tail = destination.log_tail();
         anyhow::bail!(
@@ -182,7 +182,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let _ = client.request(&json!({"cmd": "quit"}));
     drop(destination);
 
-    print_summary(&json_stats);
+    print_summary(&stats);
     println!(
         "  guest:       {:.0} ops/s before, {:.0} ops/s at the destination; ops {} at switch-over, {} now",
         before.ops_per_sec,

@@ -1,14 +1,15 @@
 //! `tsubame`: live migration of KVM virtual machines.
 
+mod console;
 mod control;
 mod demo;
-mod guest_host;
-mod host;
 mod migrate_cmd;
 mod plot;
 mod receive;
 mod replay_cmd;
+mod request;
 mod run;
+mod running_vm;
 mod trace_cmd;
 mod units;
 

@@ -8,12 +8,14 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use tsubame_migrate::secure::{Psk, TlsConfig};
+use tsubame_migrate::stats::Status;
 use tsubame_migrate::subpage::check_granularity;
 use tsubame_migrate::transport::Security;
-use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
+use tsubame_migrate::{Address, GpuOffload, MigrateOptions, MigrationStats, Progress};
+use tsubame_vmm::PAGE_SIZE;
 
 use crate::control::ControlClient;
-use crate::host::{migrate_request_fields, SecurityFiles};
+use crate::request::{canonical, MigrateRequest, SecurityFiles};
 use crate::units::{format_bytes, parse_rate};
 use crate::usage_error;
 
@@ -239,50 +241,49 @@ pub fn progress_bar() -> ProgressBar {
     bar
 }
 
-/// The bar's text for a `progress` object of `query-migrate`.
-pub fn progress_message(p: &Value) -> String {
-    let get = |k: &str| p.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-    let pipeline = p.get("pipeline").and_then(Value::as_str).filter(|s| !s.is_empty());
+/// The bar's text for the engine's progress.
+pub fn progress_message(p: &Progress) -> String {
+    let phase = serde_json::to_value(p.phase).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     format!(
-        "{} · iteration {} · dirty {} pages · {} left · {}/s · {} sent{}",
-        p.get("phase").and_then(Value::as_str).unwrap_or("?"),
-        get("iteration"),
-        get("dirty_pages"),
-        format_bytes(get("remaining_pages") as u64 * 4096),
-        format_bytes(get("bandwidth") as u64),
-        format_bytes(get("bytes_on_wire") as u64),
-        pipeline.map(|p| format!(" · {p}")).unwrap_or_default(),
+        "{phase} · iteration {} · dirty {} pages · {} left · {}/s · {} sent{}",
+        p.iteration,
+        p.dirty_pages,
+        format_bytes(p.remaining_pages * PAGE_SIZE as u64),
+        format_bytes(p.bandwidth as u64),
+        format_bytes(p.bytes_on_wire),
+        if p.pipeline.is_empty() { String::new() } else { format!(" · {}", p.pipeline) },
     )
 }
 
-/// Prints the readable summary of a statistics object.
-pub fn print_summary(stats: &Value) {
-    let f = |k: &str| stats.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-    let status = stats.get("status").and_then(Value::as_str).unwrap_or("?");
-    println!("migration {status} to {}", stats.get("destination").and_then(Value::as_str).unwrap_or("?"));
-    if let Some(error) = stats.get("error").and_then(Value::as_str) {
+/// Prints the readable summary of a migration's statistics.
+pub fn print_summary(stats: &MigrationStats) {
+    let status = match stats.status {
+        Status::Completed => "completed",
+        Status::Failed => "failed",
+    };
+    println!("migration {status} to {}", stats.destination);
+    if let Some(error) = &stats.error {
         println!("  error:       {error}");
     }
-    println!("  total time:  {:.1} ms (setup {:.1} ms)", f("total_time_ms"), f("setup_time_ms"));
-    println!("  downtime:    {:.1} ms (expected {:.1} ms)", f("downtime_ms"), f("expected_downtime_ms"));
+    println!("  total time:  {:.1} ms (setup {:.1} ms)", stats.total_time_ms, stats.setup_time_ms);
+    println!("  downtime:    {:.1} ms (expected {:.1} ms)", stats.downtime_ms, stats.expected_downtime_ms);
     println!(
         "  iterations:  {} ({}, stop reason: {})",
-        f("iterations"),
-        if stats.get("converged") == Some(&Value::Bool(true)) { "converged" } else { "not converged" },
-        stats.get("stop_reason").and_then(Value::as_str).unwrap_or("-"),
+        stats.iterations,
+        if stats.converged { "converged" } else { "not converged" },
+        match stats.stop_reason.name() {
+            "" => "-",
+            name => name,
+        },
     );
     println!(
         "  sent:        {} on the wire; {} page records ({} zero) for {} pages of memory",
-        format_bytes(f("bytes_on_wire") as u64),
-        f("pages_sent"),
-        f("pages_zero"),
-        f("pages_total"),
+        format_bytes(stats.bytes_on_wire),
+        stats.pages_sent,
+        stats.pages_zero,
+        stats.pages_total,
     );
-    let throttles: Vec<f64> = stats
-        .get("per_iteration")
-        .and_then(Value::as_array)
-        .map(|its| its.iter().filter_map(|i| i.get("throttle").and_then(Value::as_f64)).collect())
-        .unwrap_or_default();
+    let throttles: Vec<f64> = stats.per_iteration.iter().map(|i| i.throttle).collect();
     if let Some(first) = throttles.iter().position(|&t| t > 0.0) {
         let most = throttles.iter().cloned().fold(0.0, f64::max);
         println!(
@@ -290,83 +291,64 @@ pub fn print_summary(stats: &Value) {
             most * 100.0
         );
     }
-    let cpu = stats.get("cpu_seconds");
-    let c = |k: &str| cpu.and_then(|c| c.get(k)).and_then(Value::as_f64).unwrap_or(0.0);
+    let cpu = &stats.cpu_seconds;
     println!(
         "  cpu:         source {:.2} s (migration thread {:.2} s), destination {:.2} s",
-        c("source"),
-        c("source_migration_thread"),
-        c("destination")
+        cpu.source, cpu.source_migration_thread, cpu.destination
     );
-    if let Some(codecs) = stats.get("codec").and_then(Value::as_object).filter(|c| !c.is_empty()) {
-        let parts: Vec<String> = codecs
+    if !stats.codec.is_empty() {
+        let parts: Vec<String> = stats
+            .codec
             .iter()
             .map(|(name, c)| {
-                let n = |k: &str| c.get(k).and_then(Value::as_u64).unwrap_or(0);
-                format!("{name} {} ({} → {})", n("pages"), format_bytes(n("bytes_in")), format_bytes(n("bytes_out")))
+                format!("{name} {} ({} → {})", c.pages, format_bytes(c.bytes_in), format_bytes(c.bytes_out))
             })
             .collect();
         println!("  codecs:      {}", parts.join("; "));
     }
-    if let Some(sub) = stats.get("subpage") {
-        let n = |k: &str| sub.get(k).and_then(Value::as_u64).unwrap_or(0);
+    if let Some(sub) = &stats.subpage {
         println!(
             "  sub-pages:   {} B, {} detector ({}): {} sub-pages sent, {} pages whole, {} unchanged, {} zeroed",
-            n("granularity"),
-            sub.get("detector").and_then(Value::as_str).unwrap_or("?"),
-            format_bytes(n("memory_bytes")),
-            n("subpages_sent"),
-            n("pages_full"),
-            n("pages_unchanged"),
-            n("pages_zeroed"),
+            sub.granularity,
+            sub.detector,
+            format_bytes(sub.memory_bytes),
+            sub.subpages_sent,
+            sub.pages_full,
+            sub.pages_unchanged,
+            sub.pages_zeroed,
         );
     }
-    if let Some(pipeline) = stats.get("pipeline") {
+    if let Some(pipeline) = &stats.pipeline {
         let stages: Vec<String> = pipeline
-            .get("stages")
-            .and_then(Value::as_array)
-            .map(|stages| {
-                stages
-                    .iter()
-                    .map(|s| {
-                        let n = |k: &str| s.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-                        format!(
-                            "{} ×{} busy {:.2} s, waiting {:.2} s, {:.2} CPU-s",
-                            s.get("name").and_then(Value::as_str).unwrap_or("?"),
-                            n("threads"),
-                            n("busy_seconds"),
-                            n("wait_input_seconds") + n("wait_output_seconds"),
-                            n("cpu_seconds")
-                        )
-                    })
-                    .collect()
+            .stages
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} ×{} busy {:.2} s, waiting {:.2} s, {:.2} CPU-s",
+                    s.name,
+                    s.threads,
+                    s.busy_seconds,
+                    s.wait_input_seconds + s.wait_output_seconds,
+                    s.cpu_seconds
+                )
             })
-            .unwrap_or_default();
-        println!(
-            "  pipeline:    {}, {} channel(s): {}",
-            pipeline.get("mode").and_then(Value::as_str).unwrap_or("?"),
-            pipeline.get("channels").and_then(Value::as_u64).unwrap_or(1),
-            stages.join("; ")
-        );
-        if let Some(zc) = pipeline.get("zero_copy") {
-            let n = |k: &str| zc.get(k).and_then(Value::as_u64).unwrap_or(0);
+            .collect();
+        println!("  pipeline:    {}, {} channel(s): {}", pipeline.mode, pipeline.channels, stages.join("; "));
+        if let Some(zc) = &pipeline.zero_copy {
             println!(
                 "  zero-copy:   {} sends ({}), {} completed, {} copied by the kernel after all",
-                n("sends"),
-                format_bytes(n("bytes")),
-                n("completed"),
-                n("copied")
+                zc.sends,
+                format_bytes(zc.bytes),
+                zc.completed,
+                zc.copied
             );
         }
     }
-    println!(
-        "  verified:    {}",
-        if stats.get("digest_verified") == Some(&Value::Bool(true)) { "memory digest matched" } else { "no" }
-    );
+    println!("  verified:    {}", if stats.digest_verified { "memory digest matched" } else { "no" });
 }
 
 /// Writes the statistics JSON if asked to.
-pub fn write_json(path: &Option<PathBuf>, stats: &Value) -> anyhow::Result<()> {
+pub fn write_json(path: &Option<PathBuf>, stats: &impl serde::Serialize) -> anyhow::Result<()> {
     if let Some(path) = path {
         let text = serde_json::to_string_pretty(stats)?;
         std::fs::write(path, text + "\n").map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
@@ -381,29 +363,28 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     let options = args.flags.options()?;
     let mut client = ControlClient::connect(&args.control)?;
     // The VM's process reads the key files: give it paths from anywhere.
-    let canonical = |path: Option<&std::path::Path>| path.map(std::fs::canonicalize).transpose();
     let files = SecurityFiles {
         psk: canonical(args.flags.psk_file.as_deref())?,
         tls_cert: canonical(args.flags.tls.tls_cert.as_deref())?,
         tls_key: canonical(args.flags.tls.tls_key.as_deref())?,
         tls_ca: canonical(args.flags.tls.tls_ca.as_deref())?,
     };
-    client.request(&migrate_request_fields(&to, &options, &files))?;
+    client.request(&serde_json::to_value(MigrateRequest::new(&to, &options, &files))?)?;
     let bar = progress_bar();
-    let stats = loop {
+    let stats: MigrationStats = loop {
         std::thread::sleep(Duration::from_millis(100));
         let reply = client.request(&serde_json::json!({"cmd": "query-migrate"}))?;
         match reply.get("status").and_then(Value::as_str) {
-            Some("active") => bar.set_message(progress_message(&reply["progress"])),
-            Some("completed") | Some("failed") => break reply["stats"].clone(),
+            Some("active") => bar.set_message(progress_message(&serde_json::from_value(reply["progress"].clone())?)),
+            Some("completed") | Some("failed") => break serde_json::from_value(reply["stats"].clone())?,
             other => anyhow::bail!("unexpected query-migrate status {other:?}"),
         }
     };
     bar.finish_and_clear();
     print_summary(&stats);
     write_json(&args.flags.json, &stats)?;
-    if stats.get("status").and_then(Value::as_str) != Some("completed") {
-        anyhow::bail!("migration failed: {}", stats.get("error").and_then(Value::as_str).unwrap_or("unknown error"));
+    if stats.status != Status::Completed {
+        anyhow::bail!("migration failed: {}", stats.error.as_deref().unwrap_or("unknown error"));
     }
     Ok(())
 }

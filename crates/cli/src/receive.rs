@@ -11,9 +11,9 @@ use tsubame_migrate::destination::{receive_into, receive_on, MemoryLanding, Rece
 use tsubame_migrate::transport::Listener;
 use tsubame_migrate::Address;
 
+use crate::console::{ConsoleFollower, Echo};
 use crate::control::{ControlHandler, ControlServer};
-use crate::guest_host::{ConsoleFollower, Echo};
-use crate::host::{Host, HostEnd};
+use crate::running_vm::{RunningVm, VmEnd};
 use crate::units::parse_size;
 use crate::usage_error;
 
@@ -62,7 +62,7 @@ pub struct ReceiveArgs {
 
 /// Control requests before and after the VM arrives.
 struct ReceiveControl {
-    host: Mutex<Option<Arc<Host>>>,
+    host: Mutex<Option<Arc<RunningVm>>>,
     quit: AtomicBool,
     phase: Mutex<String>,
 }
@@ -148,15 +148,15 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let mut vm = incoming.vm;
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
-    let host = Host::new(Arc::new(vm), console, "received by migration".into());
+    let host = RunningVm::new(Arc::new(vm), console, "received by migration".into());
     *control.host.lock().unwrap() = Some(host.clone());
     let end = host.wait(None)?;
     let progress = host.console.snapshot();
     eprintln!(
         "tsubame: {} — guest at ops={} ({:.0} ops/s here)",
         match end {
-            HostEnd::Migrated(stats) => format!("migrated on to {}", stats.destination),
-            HostEnd::GuestHalted => "guest halted".into(),
+            VmEnd::Migrated(stats) => format!("migrated on to {}", stats.destination),
+            VmEnd::GuestHalted => "guest halted".into(),
             _ => "quit".into(),
         },
         progress.ops,

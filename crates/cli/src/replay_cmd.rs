@@ -88,7 +88,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         std::thread::spawn(move || source::migrate(&*replay, &to, &options, &progress))
     };
     while !engine.is_finished() {
-        bar.set_message(progress_message(&serde_json::to_value(progress.get())?));
+        bar.set_message(progress_message(&progress.get()));
         std::thread::sleep(Duration::from_millis(100));
     }
     let stats = engine.join().expect("migration thread");
@@ -103,7 +103,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         "intervals_during": after.intervals - before.intervals,
         "page_writes_during": after.page_writes - before.page_writes,
     });
-    print_summary(&json_stats);
+    print_summary(&stats);
     println!(
         "  replay:      {} trace intervals ({} page writes) replayed during the migration",
         after.intervals - before.intervals,

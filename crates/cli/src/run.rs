@@ -7,9 +7,9 @@ use std::time::Duration;
 use clap::Args;
 use tsubame_vmm::{guest_elf, Vm, VmConfig};
 
+use crate::console::{ConsoleFollower, Echo};
 use crate::control::{ControlHandler, ControlServer};
-use crate::guest_host::{ConsoleFollower, Echo};
-use crate::host::{Host, HostEnd};
+use crate::running_vm::{RunningVm, VmEnd};
 use crate::units::{format_bytes, parse_size};
 use crate::usage_error;
 
@@ -108,7 +108,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
     vm.start(false)?;
-    let host = Host::new(Arc::new(vm), console, args.vm.description());
+    let host = RunningVm::new(Arc::new(vm), console, args.vm.description());
     let _server = match &args.control {
         Some(path) => Some(ControlServer::start(path, host.clone() as Arc<dyn ControlHandler>)?),
         None => None,
@@ -117,10 +117,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let progress = host.console.snapshot();
     let elapsed = host.started.elapsed().as_secs_f64();
     let how = match &end {
-        HostEnd::TimeUp => "stopped".to_string(),
-        HostEnd::Quit => "quit".to_string(),
-        HostEnd::GuestHalted => "guest halted".to_string(),
-        HostEnd::Migrated(stats) => format!("migrated to {}", stats.destination),
+        VmEnd::TimeUp => "stopped".to_string(),
+        VmEnd::Quit => "quit".to_string(),
+        VmEnd::GuestHalted => "guest halted".to_string(),
+        VmEnd::Migrated(stats) => format!("migrated to {}", stats.destination),
     };
     eprintln!(
         "tsubame: {how} after {elapsed:.1} s: workload {} on {} — {} ops, {:.0} ops/s here",
@@ -129,7 +129,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         progress.ops,
         progress.mean_ops_per_sec,
     );
-    if progress.lines == 0 && !matches!(end, HostEnd::Migrated(_)) {
+    if progress.lines == 0 && !matches!(end, VmEnd::Migrated(_)) {
         anyhow::bail!("the guest printed no progress");
     }
     Ok(())

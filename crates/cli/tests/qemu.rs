@@ -38,8 +38,7 @@ fn boot_under_qemu(workload: &str) -> String {
     // Booting is ring-0 work, which PVM emulates slowly: wait for the
     // first progress lines rather than a fixed time.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::time::Instant::now() < deadline
-        && std::fs::read_to_string(&log).unwrap_or_default().matches("tsb ops=").count() < 12
+    while std::time::Instant::now() < deadline && ops_in(&std::fs::read_to_string(&log).unwrap_or_default()).len() < 12
     {
         std::thread::sleep(Duration::from_millis(200));
     }

@@ -20,9 +20,8 @@ fn boot(memory_bytes: u64, args: &str) -> (Vm, Receiver<ConsoleLine>) {
     (vm, console)
 }
 
-/// Parses `tsb ops=N pass=M`.
 fn ops_of(line: &str) -> Option<u64> {
-    line.strip_prefix("tsb ops=")?.split(' ').next()?.parse().ok()
+    tsubame_vmm::guest_elf::parse_progress(line).map(|p| p.ops)
 }
 
 /// Collects console lines, with their arrival times, for `span`; panics

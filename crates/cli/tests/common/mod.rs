@@ -24,7 +24,7 @@ pub fn scratch(name: &str) -> PathBuf {
 
 /// Parses the ops counters out of guest output.
 pub fn ops_in(text: &str) -> Vec<u64> {
-    text.lines().filter_map(|l| l.strip_prefix("tsb ops=")?.split(' ').next()?.parse().ok()).collect()
+    text.lines().filter_map(|l| tsubame_vmm::guest_elf::parse_progress(l).map(|p| p.ops)).collect()
 }
 
 /// Waits (10 s at most) until something listens on the Unix socket `path`.
