@@ -34,3 +34,46 @@ impl VmState {
         postcard::from_bytes(bytes).map_err(|e| PersistError(e.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::{kvm_msr_entry, kvm_xsave};
+    use proptest::prelude::*;
+
+    fn state(rip: u64, rax: u64, cr3: u64, tsc: u64, xsave_word: u32, tsc_khz: u32) -> VmState {
+        let mut vcpu = VcpuState {
+            msrs: vec![kvm_msr_entry { index: 0x10, data: tsc, ..Default::default() }],
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: kvm_xsave::default(),
+            xcrs: Default::default(),
+            debugregs: Default::default(),
+            mp_state: Default::default(),
+            events: Default::default(),
+        };
+        vcpu.regs.rip = rip;
+        vcpu.regs.rax = rax;
+        vcpu.sregs.cr3 = cr3;
+        vcpu.xsave.region[7] = xsave_word;
+        VmState { memory_bytes: 1 << 30, tsc_khz, vcpus: vec![vcpu] }
+    }
+
+    proptest! {
+        /// The STATE frame's payload decodes to the state that was saved.
+        #[test]
+        fn state_round_trips(rip in any::<u64>(), rax in any::<u64>(), cr3 in any::<u64>(), tsc in any::<u64>(),
+                             word in any::<u32>(), khz in any::<u32>()) {
+            let saved = state(rip, rax, cr3, tsc, word, khz);
+            let back = VmState::decode(&saved.encode()).unwrap();
+            prop_assert_eq!(back.encode(), saved.encode());
+            prop_assert_eq!(back.vcpus[0].regs.rip, rip);
+            prop_assert_eq!(back.vcpus[0].msr(0x10), Some(tsc));
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        assert!(VmState::decode(&[0xFF; 7]).is_err());
+    }
+}
