@@ -10,31 +10,30 @@ bytes and both ends' migration CPU (the source's migration and stage
 threads, not the guest's vCPU).
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
+from tsubame_bench import HarnessError
+from tsubame_bench.demo import migration_cpu, run_demo
+
 
 def run(binary, args, path):
-    proc = subprocess.run([binary] + args + ["--json", path], capture_output=True, text=True)
-    if not os.path.exists(path):
-        sys.exit(f"no statistics from {binary} {' '.join(args)}:\n{proc.stderr}")
-    with open(path) as f:
-        stats = json.load(f)
-    if stats.get("status") != "completed" or not stats.get("digest_verified"):
-        sys.exit(f"{binary}: migration did not complete and verify: {stats.get('error')}")
-    cpu = stats["cpu_seconds"]
-    stages = sum(s.get("cpu_seconds", 0) for s in (stats.get("pipeline") or {}).get("stages", []))
+    if args[:1] != ["demo"]:
+        sys.exit("ab.py compares `tsubame demo` runs: give `demo ...` after --")
+    try:
+        stats, _ = run_demo(binary, args[1:], path)
+    except HarnessError as e:
+        sys.exit(str(e))
+    source_cpu, destination_cpu = migration_cpu(stats)
     return {
         "total ms": stats["total_time_ms"],
         "downtime ms": stats["downtime_ms"],
         "iterations": stats["iterations"],
         "MiB on wire": stats["bytes_on_wire"] / 2**20,
-        "source CPU-s": cpu.get("source_migration_thread", 0) + stages,
-        "destination CPU-s": cpu["destination"],
+        "source CPU-s": source_cpu,
+        "destination CPU-s": destination_cpu,
     }
 
 

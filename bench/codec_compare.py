@@ -6,10 +6,10 @@ Each row is one `tsubame demo` (destination process on this machine).
 Usage: python3 bench/codec_compare.py [--out results/codec] [--only codec|subpage]
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from tsubame_bench.demo import run_demo
 
 CODEC_CASES = [
     # workload, args, codec lists; 1 GiB VM, 1 Gbit/s
@@ -25,15 +25,13 @@ SUBPAGE_CASES = [
 
 
 def demo(binary, memory, workload, wargs, codec, extra, path):
-    cmd = [binary, "demo", "--memory", memory, "--workload", workload, "--max-bandwidth", "1Gbit",
-           "--codec", codec, "--json", path] + extra
+    args = ["--memory", memory, "--workload", workload, "--max-bandwidth", "1Gbit", "--codec", codec] + extra
     for a in wargs:
-        cmd += ["--workload-arg", a]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if not os.path.exists(path):
-        sys.exit(f"no statistics from {' '.join(cmd)}:\n{proc.stderr}")
-    with open(path) as f:
-        return json.load(f)
+        args += ["--workload-arg", a]
+    stats, proc = run_demo(binary, args, path, check=False)
+    if stats is None:
+        sys.exit(f"no statistics from {binary} demo {' '.join(args)}:\n{proc.stderr}")
+    return stats
 
 
 def row(label, s, base):

@@ -40,65 +40,29 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
 
-PROGRESS_RE = re.compile(r"^tsb ops=(\d+) pass=(\d+)\s*$")
-GUEST_ERROR_RE = re.compile(r"^tsubame-guest: (error|exception)")
-TSC_KHZ_RE = re.compile(r"tsc_khz=(\d+)")
-VCPU_THREAD_RE = re.compile(r"^(CPU \d+/KVM|vcpu\d+)$")  # QEMU's and tsubame's vCPU thread names
-NS_NAME_RE = re.compile(r"^tsb-(\d+)-(src|dst|lo)$")
-VETH_NAME_RE = re.compile(r"^tsb(\d+)[sd]$")
+from tsubame_bench import HarnessError
+from tsubame_bench.console import (TSC_KHZ_RE, guest_downtime_ms, guest_errors, max_gap_ms, ops_continuous,
+                                   ops_rate, progress_points, switchover)
+from tsubame_bench.control import control_request
+from tsubame_bench.demo import tsubame_figures
+from tsubame_bench.link import ACTIVE_LINKS, Link, remove_stale_namespaces
+from tsubame_bench.procs import (CpuSampler, Proc, follow_console_socket, sh, stop_all_processes, stop_process,
+                                 wait_for_path, wait_until)
+from tsubame_bench.qmp import Qmp, qemu_figures
+from tsubame_bench.units import parse_rate, parse_size, tsubame_rate_arg
+
 MIGRATION_PORT = 47001
 POLL_S = 0.1  # query-migrate / CPU sampling period, the same for both VMMs
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class HarnessError(Exception):
-    """A failure that ends the benchmark with a one-line message."""
-
-
-# --------------------------------------------------------------------------
-# Units
-
-
-def parse_size(text):
-    """'512M', '4G', '256K', '1024' -> bytes (binary multiples, as tsubame and QEMU)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise HarnessError(f"'{text}' is not a size (try 512M or 4G)")
-    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
-
-
-def parse_rate(text):
-    """'1gbit', '10Gbit', '500mbit' (bits) or '100MB' (bytes) per second -> bits per second (decimal, as tc)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(bit|Bit|BIT|B)\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise HarnessError(f"'{text}' is not a rate (try 1gbit, 10gbit, 500mbit or 100MB)")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
-    per_unit = 8 if m.group(3) == "B" else 1
-    return int(float(m.group(1)) * scale * per_unit)
-
-
-def tsubame_rate_arg(bits_per_s):
-    """Bits per second -> a `--max-bandwidth` value tsubame parses (decimal Mbit)."""
-    return f"{bits_per_s / 1e6:g}Mbit"
-
-
-def tbf_burst_bytes(bits_per_s):
-    """tbf bucket size: about 4 ms of traffic, at least 512 KiB (1gbit: 512kb, 10gbit: ~5mb)."""
-    return max(512 * 1024, int(bits_per_s / 8 * 0.004))
 
 
 # --------------------------------------------------------------------------
@@ -212,114 +176,6 @@ def guest_cmdline(case, tsc_khz):
 
 
 # --------------------------------------------------------------------------
-# Analysis of recorded lines (pure functions; tested in test_compare.py)
-
-
-def progress_points(lines):
-    """[(t, text)] -> [(t, ops)] for the guest's `tsb ops=N pass=M` lines."""
-    points = []
-    for t, text in lines:
-        m = PROGRESS_RE.match(text.strip())
-        if m:
-            points.append((t, int(m.group(1))))
-    return points
-
-
-def guest_errors(lines):
-    """The guest's error and exception lines."""
-    return [text.strip() for _, text in lines if GUEST_ERROR_RE.match(text.strip())]
-
-
-def ops_rate(points, t0, t1):
-    """Ops per second over the progress points with t0 <= t <= t1 (None if fewer than two)."""
-    inside = [(t, ops) for t, ops in points if t0 <= t <= t1]
-    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-        return None
-    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
-
-
-def max_gap_ms(points, t0, t1):
-    """Largest gap between consecutive progress points inside [t0, t1], in ms (None if fewer than two)."""
-    times = [t for t, _ in points if t0 <= t <= t1]
-    if len(times) < 2:
-        return None
-    return max(b - a for a, b in zip(times, times[1:])) * 1e3
-
-
-def switchover(src_points, dst_points, t_start):
-    """Guest-observed downtime around the switch-over.
-
-    Returns (last source progress time, first destination progress time, gap in ms):
-    the last source line at or after migration start and the first destination
-    line after it. (None, None, None) if either side has no line."""
-    src = [t for t, _ in src_points if t >= t_start]
-    if not src or not dst_points:
-        return None, None, None
-    t_src_last = src[-1]
-    dst = [t for t, _ in dst_points if t >= t_src_last]
-    if not dst:
-        return t_src_last, None, None
-    return t_src_last, dst[0], (dst[0] - t_src_last) * 1e3
-
-
-def guest_downtime_ms(src_points, dst_points, t_src_last, t_dst_first, around_s=1.0):
-    """Largest gap between consecutive progress lines around the switch-over, in ms.
-
-    The source's lines up to its last one, then the destination's lines, taken within around_s
-    before the source's last line and after the destination's first line; so a stall just before
-    the pause or just after the resume counts too. At least the switch-over gap itself."""
-    if t_src_last is None or t_dst_first is None:
-        return None
-    times = [t for t, _ in src_points if t_src_last - around_s <= t <= t_src_last]
-    times += [t for t, _ in dst_points if t_dst_first <= t <= t_dst_first + around_s]
-    return max(b - a for a, b in zip(times, times[1:])) * 1e3
-
-
-def ops_continuous(src_points, dst_points):
-    """True when the destination's ops counter carries on from the source's (the guest's state moved)."""
-    if not src_points or not dst_points:
-        return False
-    return dst_points[0][1] >= src_points[-1][1]
-
-
-def qemu_figures(reply):
-    """The figures of a final `query-migrate` reply (QEMU 7.2)."""
-    ram = reply.get("ram", {})
-    return {
-        "status": reply.get("status"),
-        "error": reply.get("error-desc"),
-        "total_time_s": reply["total-time"] / 1e3 if "total-time" in reply else None,
-        "vmm_downtime_ms": float(reply["downtime"]) if "downtime" in reply else None,
-        "setup_time_ms": float(reply["setup-time"]) if "setup-time" in reply else None,
-        "iterations": ram.get("dirty-sync-count"),
-        "vmm_bytes": ram.get("transferred"),
-    }
-
-
-def tsubame_figures(stats):
-    """The figures of `tsubame migrate --json` statistics."""
-    return {
-        "status": stats.get("status"),
-        "error": stats.get("error"),
-        "total_time_s": stats["total_time_ms"] / 1e3 if "total_time_ms" in stats else None,
-        "vmm_downtime_ms": stats.get("downtime_ms"),
-        "setup_time_ms": stats.get("setup_time_ms"),
-        "iterations": stats.get("iterations"),
-        "vmm_bytes": stats.get("bytes_on_wire"),
-        "converged": stats.get("converged"),
-    }
-
-
-def parse_proc_stat(text):
-    """/proc/PID[/task/TID]/stat -> (comm, utime+stime in clock ticks)."""
-    head, _, rest = text.rpartition(")")
-    comm = head.partition("(")[2]
-    fields = rest.split()
-    # fields[0] is state (field 3); utime and stime are fields 14 and 15
-    return comm, int(fields[11]) + int(fields[12])
-
-
-# --------------------------------------------------------------------------
 # Results
 
 
@@ -367,355 +223,6 @@ class RunResult:
 
 
 # --------------------------------------------------------------------------
-# Processes and their output
-
-
-class LineLog:
-    """Lines of text with the harness's time.monotonic() of arrival; filled by a reader thread."""
-
-    def __init__(self):
-        self.lines = []
-        self.lock = threading.Lock()
-
-    def add(self, text):
-        t = time.monotonic()
-        with self.lock:
-            self.lines.append((t, text.rstrip("\r\n")))
-
-    def snapshot(self):
-        with self.lock:
-            return list(self.lines)
-
-    def follow(self, stream):
-        """Reads a binary stream line by line until EOF (run in a thread)."""
-        def loop():
-            try:
-                for raw in iter(stream.readline, b""):
-                    self.add(raw.decode("utf-8", "replace"))
-            except (OSError, ValueError):
-                pass
-        threading.Thread(target=loop, daemon=True).start()
-
-
-class Proc:
-    """A child process in its own session; stdout followed into a LineLog, stderr into a log file."""
-
-    def __init__(self, name, cmd, log_path, capture_stdout=False):
-        self.name = name
-        self.cmd = cmd
-        self.out = LineLog()
-        self.log_path = log_path
-        self.log_file = open(log_path, "wb")
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE if capture_stdout else self.log_file,
-                                      stderr=self.log_file, start_new_session=True)
-        if capture_stdout:
-            self.out.follow(self.popen.stdout)
-        PROCESSES.append(self)
-
-    @property
-    def pid(self):
-        return self.popen.pid
-
-    def alive(self):
-        return self.popen.poll() is None
-
-    def stderr_tail(self, n=3):
-        """The last lines of the process's stderr log, joined (for error messages)."""
-        try:
-            self.log_file.flush()
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").strip().splitlines()
-            return " | ".join(lines[-n:])
-        except OSError:
-            return ""
-
-    def wait(self, timeout):
-        """Waits up to timeout seconds; True if the process has exited."""
-        try:
-            self.popen.wait(timeout=timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
-    def stop(self, grace_s=5):
-        """SIGTERM to its process group, then SIGKILL after grace_s."""
-        if self.alive():
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            if not self.wait(grace_s):
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.wait(5)
-        if self.popen.stdout:
-            self.popen.stdout.close()
-        self.log_file.close()
-
-
-PROCESSES = []  # every Proc started, so that cleanup can stop them all
-
-
-def stop_process(p):
-    """Stops one Proc and forgets it."""
-    p.stop()
-    if p in PROCESSES:
-        PROCESSES.remove(p)
-
-
-def stop_all_processes():
-    while PROCESSES:
-        p = PROCESSES.pop()
-        try:
-            p.stop(grace_s=3)
-        except Exception as e:  # keep cleaning up the others
-            print(f"compare: could not stop {p.name} (pid {p.pid}): {e}", file=sys.stderr)
-
-
-def wait_for_path(path, timeout_s, proc):
-    """Waits until path exists; fails if proc dies first or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if not proc.alive():
-            raise HarnessError(f"{proc.name} exited (status {proc.popen.returncode}) before creating "
-                               f"{os.path.basename(path)}: {proc.stderr_tail()}")
-        if time.monotonic() > deadline:
-            raise HarnessError(f"{proc.name} did not create {os.path.basename(path)} within {timeout_s:.0f} s")
-        time.sleep(0.02)
-
-
-def connect_unix(path, timeout_s, proc):
-    """A connected AF_UNIX stream socket to path, retrying until the server listens."""
-    wait_for_path(path, timeout_s, proc)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(path)
-            return s
-        except OSError:
-            s.close()
-            if time.monotonic() > deadline or not proc.alive():
-                raise HarnessError(f"cannot connect to {proc.name}'s socket {path}") from None
-            time.sleep(0.05)
-
-
-def follow_console_socket(path, proc):
-    """A LineLog fed from QEMU's debugcon chardev socket."""
-    sock = connect_unix(path, 10, proc)
-    log = LineLog()
-    log.follow(sock.makefile("rb"))
-    return log
-
-
-# --------------------------------------------------------------------------
-# CPU sampling from /proc
-
-
-def read_cpu_ticks(pid):
-    """(process utime+stime, {tid: (comm, ticks)}) in clock ticks, or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            _, total = parse_proc_stat(f.read())
-        threads = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    threads[int(tid)] = parse_proc_stat(f.read())
-            except (OSError, IndexError, ValueError):
-                pass  # the thread exited meanwhile
-        return total, threads
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class CpuSampler:
-    """Samples a process's CPU ticks: the first sample is the baseline, each later one the latest value.
-
-    The delta between them is the process's CPU-seconds over the window. A process that exits keeps
-    its last sample (taken at most POLL_S before); a thread that exits keeps its last seen ticks (the
-    vCPU thread of tsubame's source ends before the process does)."""
-
-    def __init__(self, pid):
-        self.pid = pid
-        self.first = None  # (total ticks, {tid: (comm, ticks)})
-        self.last_total = None
-        self.threads = {}  # tid -> (comm, ticks) last seen
-
-    def sample(self):
-        s = read_cpu_ticks(self.pid)
-        if s is None:
-            return
-        if self.first is None:
-            self.first = s
-        self.last_total = s[0]
-        self.threads.update(s[1])
-
-    def seconds(self):
-        """(CPU-seconds of the process, CPU-seconds of its vCPU threads) over the window."""
-        if self.first is None:
-            return None, None
-        total = (self.last_total - self.first[0]) / CLK_TCK
-        vcpu = 0
-        for tid, (comm, ticks) in self.threads.items():
-            if VCPU_THREAD_RE.match(comm):
-                base = self.first[1].get(tid, (comm, 0))[1]  # a thread born later started from zero
-                vcpu += ticks - base
-        return total, vcpu / CLK_TCK
-
-
-# --------------------------------------------------------------------------
-# Network namespaces
-
-
-def sh(*cmd, check=True):
-    """Runs a short command; HarnessError with its stderr when it fails and check is set."""
-    p = subprocess.run(list(cmd), capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise HarnessError(f"`{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}")
-    return p.stdout
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def remove_stale_namespaces():
-    """Deletes tsb-<pid>-* namespaces and tsb<pid>s/d veths left by an earlier harness that is no longer running."""
-    for line in sh("ip", "netns", "list", check=False).splitlines():
-        name = line.split()[0] if line.strip() else ""
-        m = NS_NAME_RE.match(name)
-        if m and not pid_alive(int(m.group(1))):
-            print(f"compare: removing stale namespace {name}", file=sys.stderr)
-            sh("ip", "netns", "del", name, check=False)
-    for line in sh("ip", "-o", "link", "show", check=False).splitlines():
-        parts = line.split(":")
-        if len(parts) > 1:
-            dev = parts[1].strip().split("@")[0]
-            m = VETH_NAME_RE.match(dev)
-            if m and not pid_alive(int(m.group(1))):
-                sh("ip", "link", "del", dev, check=False)
-
-
-class Link:
-    """The network of one run: two namespaces and a shaped veth pair, or one namespace's loopback."""
-
-    def __init__(self, rate_bits):
-        pid = os.getpid()
-        self.rate_bits = rate_bits
-        self.namespaces = []
-        self.veths = []
-        if rate_bits is None:
-            self.src_ns = self.dst_ns = f"tsb-{pid}-lo"
-            self.src_dev = "lo"
-            self.dst_ip = "127.0.0.1"
-        else:
-            self.src_ns, self.dst_ns = f"tsb-{pid}-src", f"tsb-{pid}-dst"
-            self.src_dev, self.dst_dev = f"tsb{pid}s", f"tsb{pid}d"
-            self.src_ip, self.dst_ip = "10.201.0.1", "10.201.0.2"
-        ACTIVE_LINKS.append(self)
-
-    def setup(self):
-        for ns in dict.fromkeys([self.src_ns, self.dst_ns]):
-            sh("ip", "netns", "add", ns)
-            self.namespaces.append(ns)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        if self.rate_bits is None:
-            return
-        sh("ip", "link", "add", self.src_dev, "type", "veth", "peer", "name", self.dst_dev)
-        self.veths.append(self.src_dev)
-        burst = tbf_burst_bytes(self.rate_bits)
-        for dev, ns, ip in ((self.src_dev, self.src_ns, self.src_ip), (self.dst_dev, self.dst_ns, self.dst_ip)):
-            sh("ip", "link", "set", dev, "netns", ns)
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-               "rate", str(self.rate_bits), "burst", str(burst), "latency", "50ms")
-        self.veths.clear()  # moved into the namespaces: deleting those deletes the pair
-
-    def tx_bytes(self):
-        """Bytes sent by the source side so far (veth or lo counter)."""
-        out = sh("ip", "netns", "exec", self.src_ns, "cat", f"/sys/class/net/{self.src_dev}/statistics/tx_bytes")
-        return int(out.strip())
-
-    def netns_exec(self, ns):
-        return ["ip", "netns", "exec", ns]
-
-    def teardown(self):
-        for dev in self.veths:
-            sh("ip", "link", "del", dev, check=False)
-        self.veths.clear()
-        while self.namespaces:
-            sh("ip", "netns", "del", self.namespaces.pop(), check=False)
-        if self in ACTIVE_LINKS:
-            ACTIVE_LINKS.remove(self)
-
-
-ACTIVE_LINKS = []
-
-
-# --------------------------------------------------------------------------
-# QMP and tsubame's control socket
-
-
-class Qmp:
-    """A minimal QMP client over a unix socket."""
-
-    def __init__(self, path, proc, name):
-        self.name = name
-        self.sock = connect_unix(path, 10, proc)
-        self.sock.settimeout(30)
-        self.reader = self.sock.makefile("rb")
-        greeting = self._read()
-        if "QMP" not in greeting:
-            raise HarnessError(f"{name}: unexpected QMP greeting {greeting}")
-        self.execute("qmp_capabilities")
-
-    def _read(self):
-        line = self.reader.readline()
-        if not line:
-            raise HarnessError(f"{self.name}: QMP connection closed (QEMU exited?)")
-        return json.loads(line)
-
-    def execute(self, command, **arguments):
-        msg = {"execute": command}
-        if arguments:
-            msg["arguments"] = arguments
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
-        while True:
-            reply = self._read()
-            if "event" in reply:
-                continue
-            if "error" in reply:
-                raise HarnessError(f"{self.name}: QMP {command} failed: {reply['error'].get('desc')}")
-            return reply.get("return")
-
-    def close(self):
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-def control_request(path, request, timeout_s=5):
-    """One request on tsubame's JSON-lines control socket -> the reply object."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        s.connect(path)
-        s.sendall(json.dumps(request).encode() + b"\n")
-        return json.loads(s.makefile("rb").readline())
-
-
-# --------------------------------------------------------------------------
 # One run
 
 
@@ -733,20 +240,16 @@ class Env:
 
 def wait_for_progress(log, proc, what, timeout_s=30):
     """Waits for the first progress line in log; fails on a guest error or a dead process."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def printed_progress():
         lines = log.snapshot()
         errors = guest_errors(lines)
         if errors:
             raise HarnessError(f"{what}: guest error: {errors[0]}")
-        if progress_points(lines):
-            return
-        if not proc.alive():
-            raise HarnessError(f"{what}: process exited (status {proc.popen.returncode}) before the guest "
-                               f"printed progress: {proc.stderr_tail()}")
-        if time.monotonic() > deadline:
-            raise HarnessError(f"{what}: no progress line from the guest within {timeout_s:.0f} s")
-        time.sleep(0.05)
+        return bool(progress_points(lines))
+    try:
+        wait_until(printed_progress, proc, "the guest printed progress", timeout_s, poll_s=0.05)
+    except HarnessError as e:
+        raise HarnessError(f"{what}: {e}") from None
 
 
 def check_banner(log, what, tsc_khz):

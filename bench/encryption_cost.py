@@ -9,11 +9,14 @@ Makes a PSK and a throw-away CA with openssl (needs the openssl command).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
+
+from tsubame_bench import HarnessError
+from tsubame_bench.demo import run_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TSUBAME = os.path.join(ROOT, "target", "release", "tsubame")
@@ -51,14 +54,16 @@ def main():
                 "--tls-ca", os.path.join(d, "ca.pem")],
     }
     results = {m: [] for m in modes}
-    base = [TSUBAME, "demo", "--memory", args.memory, "--workload", args.workload, "--transport", "tcp",
+    base = ["--memory", args.memory, "--workload", args.workload, "--transport", "tcp",
             "--channels", str(args.channels), "--after", "1"]
-    print("command:", " ".join(base), "[--psk-file KEY | --tls-cert C --tls-key K --tls-ca CA]")
+    print("command:", TSUBAME, "demo", " ".join(base), "[--psk-file KEY | --tls-cert C --tls-key K --tls-ca CA]")
     for r in range(args.rounds):
         for mode, extra in modes.items():
             out = os.path.join(d, f"{mode}-{r}.json")
-            subprocess.run(base + extra + ["--json", out], check=True, capture_output=True)
-            s = json.load(open(out))
+            try:
+                s, _ = run_demo(TSUBAME, base + extra, out)
+            except HarnessError as e:
+                sys.exit(f"round {r} {mode}: {e}")
             row = (s["total_time_ms"], s["cpu_seconds"]["source"], s["cpu_seconds"]["destination"],
                    s["bytes_on_wire"], s["downtime_ms"])
             results[mode].append(row)

@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from tsubame_bench import HarnessError
+from tsubame_bench.demo import run_demo
+
 GBIT = 1e9 / 8
 
 
@@ -44,15 +47,12 @@ def iperf3_loopback(seconds=5):
 
 def demo(binary, memory, out_dir, label, extra):
     path = os.path.join(out_dir, f"{label}.json")
-    cmd = [binary, "demo", "--memory", memory, "--workload", "kv", "--transport", "tcp", "--json", path] + extra
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if not os.path.exists(path):
-        sys.exit(f"no statistics from {' '.join(cmd)}:\n{proc.stderr}")
-    with open(path) as f:
-        stats = json.load(f)
-    if stats.get("status") != "completed" or not stats.get("digest_verified"):
-        sys.exit(f"{label}: migration did not complete and verify: {stats.get('error')}")
-    return cmd, stats
+    args = ["--memory", memory, "--workload", "kv", "--transport", "tcp"] + extra
+    try:
+        stats, _ = run_demo(binary, args, path)
+    except HarnessError as e:
+        sys.exit(f"{label}: {e}")
+    return [binary, "demo"] + args + ["--json", path], stats
 
 
 def it0_rate(stats):

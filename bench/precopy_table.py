@@ -6,24 +6,23 @@ Usage: python3 bench/precopy_table.py [--memory 1G] [--max-bandwidth 1Gbit]
                                       [--workloads kv,idle,...] [--out DIR]
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from tsubame_bench.demo import run_demo
 
 WORKLOADS = ["idle", "fill-zero", "fill-random", "kv", "bwmem", "sparse", "zero-clear", "stream"]
 
 
 def run(binary, workload, args, out_dir):
     path = os.path.join(out_dir, f"{workload}.json")
-    cmd = [binary, "demo", "--memory", args.memory, "--workload", workload, "--json", path]
+    demo_args = ["--memory", args.memory, "--workload", workload]
     if args.max_bandwidth:
-        cmd += ["--max-bandwidth", args.max_bandwidth]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if not os.path.exists(path):
+        demo_args += ["--max-bandwidth", args.max_bandwidth]
+    stats, proc = run_demo(binary, demo_args, path, check=False)
+    if stats is None:
         sys.exit(f"{workload}: no statistics written:\n{proc.stderr}")
-    with open(path) as f:
-        return json.load(f), proc.returncode
+    return stats, proc.returncode
 
 
 def main():

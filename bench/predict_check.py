@@ -15,29 +15,20 @@ Prints a markdown table; writes everything to --out.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+from tsubame_bench.control import control_request
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TSUBAME = os.path.join(ROOT, "target", "release", "tsubame")
 
 
 def control(path, request, timeout=120):
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall((json.dumps(request) + "\n").encode())
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data)
+    return control_request(path, request, timeout_s=timeout)
 
 
 def wait_socket(path, proc, what):

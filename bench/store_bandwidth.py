@@ -17,7 +17,8 @@ import sys
 import tempfile
 import time
 
-PROGRESS = re.compile(r"^tsb ops=(\d+) pass=(\d+)$")
+from tsubame_bench.console import parse_progress
+
 
 
 def bandwidth(lines, tsc_interval_s=0.05):
@@ -25,7 +26,7 @@ def bandwidth(lines, tsc_interval_s=0.05):
 
     Lines come at least 50 ms of guest time apart; the guest checks the TSC
     every 64 pages, so the gap overshoots by well under 1 %."""
-    ops = [int(m.group(1)) for m in (PROGRESS.match(l.strip()) for l in lines) if m]
+    ops = [p["ops"] for p in map(parse_progress, lines) if p]
     # Skip the first second (page faults of first touch), keep the rest.
     ops = ops[20:]
     if len(ops) < 10:

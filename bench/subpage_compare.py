@@ -9,10 +9,10 @@ iterations and the ratios the issue asks about.
 Usage: python3 bench/subpage_compare.py [--memory 2G] [--out results/subpage]
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from tsubame_bench.demo import run_demo
 
 CASES = [
     # workload, workload args
@@ -28,15 +28,14 @@ CONFIGS = [
 
 
 def demo(binary, memory, workload, wargs, margs, path):
-    cmd = [binary, "demo", "--memory", memory, "--workload", workload, "--max-bandwidth", "1Gbit",
-           "--downtime-limit", "300", "--max-iterations", "30", "--json", path]
+    args = ["--memory", memory, "--workload", workload, "--max-bandwidth", "1Gbit", "--downtime-limit", "300",
+            "--max-iterations", "30"]
     for a in wargs:
-        cmd += ["--workload-arg", a]
-    subprocess.run(cmd + margs, capture_output=True, text=True)
-    if not os.path.exists(path):
-        sys.exit(f"no statistics from: {' '.join(cmd + margs)}")
-    with open(path) as f:
-        return json.load(f)
+        args += ["--workload-arg", a]
+    stats, _ = run_demo(binary, args + margs, path, check=False)
+    if stats is None:
+        sys.exit(f"no statistics from: {binary} demo {' '.join(args + margs)}")
+    return stats
 
 
 def bytes_over(stats, n):

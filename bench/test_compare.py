@@ -27,6 +27,8 @@ DATA = os.path.join(HERE, "testdata")
 sys.path.insert(0, HERE)
 
 import compare  # noqa: E402
+import tsubame_bench  # noqa: E402
+from tsubame_bench import console, demo, link, procs, qmp, units  # noqa: E402
 
 
 def data(name):
@@ -41,18 +43,18 @@ def recorded_runs():
 
 
 def test_sizes_and_rates():
-    assert compare.parse_size("512M") == 512 * 2**20
-    assert compare.parse_size("4G") == 4 * 2**30
-    assert compare.parse_rate("1gbit") == 1_000_000_000
-    assert compare.parse_rate("10Gbit") == 10_000_000_000
-    assert compare.parse_rate("500mbit") == 500_000_000
-    assert compare.parse_rate("100MB") == 800_000_000  # bytes per second
-    assert compare.tsubame_rate_arg(1_000_000_000) == "1000Mbit"
-    assert compare.tbf_burst_bytes(1e9) == 512 * 1024
-    assert compare.tbf_burst_bytes(1e10) == 5_000_000
+    assert units.parse_size("512M") == 512 * 2**20
+    assert units.parse_size("4G") == 4 * 2**30
+    assert units.parse_rate("1gbit") == 1_000_000_000
+    assert units.parse_rate("10Gbit") == 10_000_000_000
+    assert units.parse_rate("500mbit") == 500_000_000
+    assert units.parse_rate("100MB") == 800_000_000  # bytes per second
+    assert units.tsubame_rate_arg(1_000_000_000) == "1000Mbit"
+    assert units.tbf_burst_bytes(1e9) == 512 * 1024
+    assert units.tbf_burst_bytes(1e10) == 5_000_000
     for bad in ("fast", "0gbit", "1gbps"):
-        with pytest.raises(compare.HarnessError):
-            compare.parse_rate(bad)
+        with pytest.raises(tsubame_bench.HarnessError):
+            units.parse_rate(bad)
 
 
 def test_smoke_case_file():
@@ -93,10 +95,10 @@ def test_bad_case_files(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[configs]\nq = { vmm = "qemu" }\n[[case]]\nname = "x"\nworkload = "kv"\nmemory = "64M"\n'
                     'configs = ["nope"]\n')
-    with pytest.raises(compare.HarnessError, match="config 'nope' is not defined"):
+    with pytest.raises(tsubame_bench.HarnessError, match="config 'nope' is not defined"):
         compare.load_case_file(str(path))
     path.write_text('[configs]\nq = { vmm = "xen" }\n')
-    with pytest.raises(compare.HarnessError, match="vmm"):
+    with pytest.raises(tsubame_bench.HarnessError, match="vmm"):
         compare.load_case_file(str(path))
 
 
@@ -118,12 +120,12 @@ def test_recorded_consoles(vmm):
     dst = compare.read_console(data(f"{vmm}-dst-console.txt"))
     assert src[0][1].startswith("tsubame-guest: workload=kv wss=256M")
     assert "tsc_khz=2599998 (cmdline)" in src[0][1]
-    assert compare.guest_errors(src + dst) == []
-    sp, dp = compare.progress_points(src), compare.progress_points(dst)
+    assert console.guest_errors(src + dst) == []
+    sp, dp = console.progress_points(src), console.progress_points(dst)
     # every line is progress but the guest's info lines (banner, "kv keys=...")
     assert len(sp) + sum(1 for _, text in src if text.startswith("tsubame-guest: ")) == len(src)
     assert len(dp) == len(dst)
-    assert compare.ops_continuous(sp, dp)
+    assert console.ops_continuous(sp, dp)
     assert all(b[1] >= a[1] for a, b in zip(sp, sp[1:]))
 
 
@@ -131,38 +133,38 @@ def test_recorded_consoles(vmm):
 def test_guest_figures_from_recorded_lines(vmm):
     """The guest figures recomputed from the recorded consoles equal those the harness recorded."""
     run = recorded_runs()[f"{vmm}-default"]
-    sp = compare.progress_points(compare.read_console(data(f"{vmm}-src-console.txt")))
-    dp = compare.progress_points(compare.read_console(data(f"{vmm}-dst-console.txt")))
-    t_src_last, t_dst_first, gap = compare.switchover(sp, dp, 0.0)
+    sp = console.progress_points(compare.read_console(data(f"{vmm}-src-console.txt")))
+    dp = console.progress_points(compare.read_console(data(f"{vmm}-dst-console.txt")))
+    t_src_last, t_dst_first, gap = console.switchover(sp, dp, 0.0)
     assert gap == pytest.approx(run["switchover_gap_ms"], abs=0.2)  # consoles keep 0.1 ms
     assert t_dst_first - t_src_last == pytest.approx(gap / 1e3)
     assert t_dst_first == pytest.approx(run["time_to_destination_s"], abs=2e-4)
-    downtime = compare.guest_downtime_ms(sp, dp, t_src_last, t_dst_first)
+    downtime = console.guest_downtime_ms(sp, dp, t_src_last, t_dst_first)
     assert downtime == pytest.approx(run["guest_downtime_ms"], abs=0.2)
     assert downtime >= gap
-    assert compare.ops_rate(sp, -1.5, 0.0) == pytest.approx(run["ops_per_sec_before"], rel=1e-3)
-    assert compare.ops_rate(sp, 0.0, t_src_last) == pytest.approx(run["ops_per_sec_during"], rel=1e-3)
-    assert compare.ops_rate(dp, t_dst_first, t_dst_first + 3) == pytest.approx(run["ops_per_sec_after"], rel=1e-3)
-    assert compare.max_gap_ms(sp, 0.0, t_src_last) == pytest.approx(run["max_source_gap_ms"], abs=0.2)
+    assert console.ops_rate(sp, -1.5, 0.0) == pytest.approx(run["ops_per_sec_before"], rel=1e-3)
+    assert console.ops_rate(sp, 0.0, t_src_last) == pytest.approx(run["ops_per_sec_during"], rel=1e-3)
+    assert console.ops_rate(dp, t_dst_first, t_dst_first + 3) == pytest.approx(run["ops_per_sec_after"], rel=1e-3)
+    assert console.max_gap_ms(sp, 0.0, t_src_last) == pytest.approx(run["max_source_gap_ms"], abs=0.2)
 
 
 def test_guest_figures_by_hand():
     src = [(0.0, 0), (0.05, 100), (0.10, 200), (0.30, 300)]  # a 200 ms stall, then the switch-over
     dst = [(0.75, 310), (0.80, 410)]
-    assert compare.switchover(src, dst, 0.0) == (0.30, 0.75, pytest.approx(450))
-    assert compare.max_gap_ms(src, 0.0, 0.30) == pytest.approx(200)
-    assert compare.ops_rate(src, 0.0, 0.10) == pytest.approx(2000)
-    assert compare.ops_rate(src, 0.2, 0.25) is None  # fewer than two lines
-    assert compare.switchover(src, [], 0.0) == (None, None, None)
+    assert console.switchover(src, dst, 0.0) == (0.30, 0.75, pytest.approx(450))
+    assert console.max_gap_ms(src, 0.0, 0.30) == pytest.approx(200)
+    assert console.ops_rate(src, 0.0, 0.10) == pytest.approx(2000)
+    assert console.ops_rate(src, 0.2, 0.25) is None  # fewer than two lines
+    assert console.switchover(src, [], 0.0) == (None, None, None)
     # the largest gap around the switch-over: here the 450 ms switch-over itself ...
-    assert compare.guest_downtime_ms(src, dst, 0.30, 0.75) == pytest.approx(450)
+    assert console.guest_downtime_ms(src, dst, 0.30, 0.75) == pytest.approx(450)
     # ... or a longer stall right after the destination resumed
     stalled = [(0.75, 310), (1.35, 410), (1.40, 510)]
-    assert compare.guest_downtime_ms(src, stalled, 0.30, 0.75) == pytest.approx(600)
-    assert compare.guest_downtime_ms(src, stalled, 0.30, None) is None
+    assert console.guest_downtime_ms(src, stalled, 0.30, 0.75) == pytest.approx(600)
+    assert console.guest_downtime_ms(src, stalled, 0.30, None) is None
     lines = [(0, "tsb ops=5 pass=0"), (1, "tsubame-guest: exception #PF at 0x1"), (2, "tsb ops=x pass=1")]
-    assert compare.progress_points(lines) == [(0, 5)]
-    assert compare.guest_errors(lines) == ["tsubame-guest: exception #PF at 0x1"]
+    assert console.progress_points(lines) == [(0, 5)]
+    assert console.guest_errors(lines) == ["tsubame-guest: exception #PF at 0x1"]
 
 
 # ---- VMM statistics and /proc
@@ -170,20 +172,20 @@ def test_guest_figures_by_hand():
 
 def test_qemu_figures():
     with open(data("qemu-query-migrate.json")) as f:
-        fig = compare.qemu_figures(json.load(f))
+        fig = qmp.qemu_figures(json.load(f))
     run = recorded_runs()["qemu-default"]
     assert fig["status"] == "completed"
     assert fig["total_time_s"] == pytest.approx(run["vmm_stats"]["total-time"] / 1000)
     assert fig["vmm_downtime_ms"] == run["vmm_stats"]["downtime"]
     assert fig["iterations"] == run["vmm_stats"]["ram"]["dirty-sync-count"]
     assert fig["vmm_bytes"] == run["vmm_stats"]["ram"]["transferred"]
-    assert compare.qemu_figures({"status": "failed", "error-desc": "boom"})["error"] == "boom"
+    assert qmp.qemu_figures({"status": "failed", "error-desc": "boom"})["error"] == "boom"
 
 
 def test_tsubame_figures():
     with open(data("tsubame-migrate.json")) as f:
         stats = json.load(f)
-    fig = compare.tsubame_figures(stats)
+    fig = demo.tsubame_figures(stats)
     assert fig["status"] == "completed" and fig["converged"] is True
     assert fig["total_time_s"] == pytest.approx(stats["total_time_ms"] / 1000)
     assert fig["vmm_downtime_ms"] == stats["downtime_ms"]
@@ -199,13 +201,13 @@ def test_bytes_on_wire_close_to_vmm_figures():
 
 def test_parse_proc_stat():
     with open(data("qemu-proc-stat.txt")) as f:
-        comm, ticks = compare.parse_proc_stat(f.read())
+        comm, ticks = procs.parse_proc_stat(f.read())
     assert comm == "qemu-system-x86" and ticks >= 0
     with open(data("qemu-task-stats.txt")) as f:
-        threads = [compare.parse_proc_stat(line) for line in f]
-    vcpus = [(c, t) for c, t in threads if compare.VCPU_THREAD_RE.match(c)]
+        threads = [procs.parse_proc_stat(line) for line in f]
+    vcpus = [(c, t) for c, t in threads if procs.VCPU_THREAD_RE.match(c)]
     assert [c for c, _ in vcpus] == ["CPU 0/KVM"] and vcpus[0][1] > 0
-    assert compare.VCPU_THREAD_RE.match("vcpu0") and not compare.VCPU_THREAD_RE.match("migration")
+    assert procs.VCPU_THREAD_RE.match("vcpu0") and not procs.VCPU_THREAD_RE.match("migration")
 
 
 def test_cpu_sampler_keeps_threads_that_exit(monkeypatch):
@@ -215,9 +217,9 @@ def test_cpu_sampler_keeps_threads_that_exit(monkeypatch):
         (300, {1: ("tsubame", 40)}),  # vcpu0 ended before the process
         None,  # the process exited: the last sample stays
     ])
-    monkeypatch.setattr(compare, "read_cpu_ticks", lambda pid: next(samples))
-    monkeypatch.setattr(compare, "CLK_TCK", 100)
-    sampler = compare.CpuSampler(1234)
+    monkeypatch.setattr(procs, "read_cpu_ticks", lambda pid: next(samples))
+    monkeypatch.setattr(procs, "CLK_TCK", 100)
+    sampler = procs.CpuSampler(1234)
     for _ in range(4):
         sampler.sample()
     total, vcpu = sampler.seconds()
@@ -316,5 +318,5 @@ def test_real_smoke_run(tmp_path):
     assert "| tiny-kv-256M-10gbit | tsubame-default | qemu-default |" in p.stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     leftover = [n.split()[0] for n in names.splitlines() if n.strip()]
-    dead = [n for n in leftover if compare.NS_NAME_RE.match(n) and not compare.pid_alive(int(n.split("-")[1]))]
+    dead = [n for n in leftover if link.NS_NAME_RE.match(n) and not procs.pid_alive(int(n.split("-")[1]))]
     assert dead == [], f"namespaces left behind: {dead}"

@@ -111,27 +111,15 @@ fn apply_pages(
 
 /// One shard's decoder: decodes and applies its frames in order.
 pub(super) struct ShardWorker {
-    shard: u16,
-    mem: Arc<GuestMemory>,
-    granularity: usize,
-    marks: Arc<PageMarks>,
-    decoder: PageDecoder,
-    shared: Arc<Shared>,
+    pub(super) shard: u16,
+    pub(super) mem: Arc<GuestMemory>,
+    pub(super) granularity: usize,
+    pub(super) marks: Arc<PageMarks>,
+    pub(super) decoder: PageDecoder,
+    pub(super) shared: Arc<Shared>,
 }
 
 impl ShardWorker {
-    /// The decoder of `shard`, writing into `mem`.
-    pub(super) fn new(
-        shard: u16,
-        mem: Arc<GuestMemory>,
-        granularity: usize,
-        marks: Arc<PageMarks>,
-        decoder: PageDecoder,
-        shared: Arc<Shared>,
-    ) -> ShardWorker {
-        ShardWorker { shard, mem, granularity, marks, decoder, shared }
-    }
-
     pub(super) fn run(mut self, input: Receiver<ShardWork>) {
         let mut decompressor = BatchDecompressor::default();
         let mut unpacked = Vec::new();

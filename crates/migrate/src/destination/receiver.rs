@@ -190,14 +190,14 @@ impl<'a> StreamReceiver<'a> {
         let mut workers = Vec::new();
         for shard in 0..hello.shards {
             let (tx, rx) = bounded::<ShardWork>(BUFFERS_PER_CHANNEL);
-            let worker = ShardWorker::new(
+            let worker = ShardWorker {
                 shard,
-                mem.clone(),
-                hello.granularity as usize,
-                marks.clone(),
-                PageDecoder::new(&shard_list),
-                shared.clone(),
-            );
+                mem: mem.clone(),
+                granularity: hello.granularity as usize,
+                marks: marks.clone(),
+                decoder: PageDecoder::new(&shard_list),
+                shared: shared.clone(),
+            };
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("decode-{shard}"))

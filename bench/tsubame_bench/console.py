@@ -1,0 +1,120 @@
+"""The guest's console lines (guest/README.md): progress lines
+`tsb ops=<u64> pass=<u64>` (disk workloads append more `key=value`
+fields), its banner and its error lines; and the figures read off their
+timeline. Pure functions, tested in bench/test_bench_lib.py and
+bench/test_compare.py."""
+import re
+import threading
+import time
+
+PROGRESS_RE = re.compile(r"^tsb ops=(\d+) pass=(\d+)(?:\s+\w+=\S+)*\s*$")
+GUEST_ERROR_RE = re.compile(r"^tsubame-guest: (error|exception)")
+TSC_KHZ_RE = re.compile(r"tsc_khz=(\d+)")
+
+
+def parse_progress(text):
+    """A progress line -> {"ops": int, "pass": int, and any further key=value fields as ints}; None otherwise."""
+    m = PROGRESS_RE.match(text.strip())
+    if not m:
+        return None
+    fields = {"ops": int(m.group(1)), "pass": int(m.group(2))}
+    for token in text.split()[3:]:
+        key, _, value = token.partition("=")
+        fields[key] = int(value) if value.isdigit() else value
+    return fields
+
+
+def progress_points(lines):
+    """[(t, text)] -> [(t, ops)] for the guest's `tsb ops=N pass=M` lines."""
+    points = []
+    for t, text in lines:
+        fields = parse_progress(text)
+        if fields:
+            points.append((t, fields["ops"]))
+    return points
+
+
+def guest_errors(lines):
+    """The guest's error and exception lines."""
+    return [text.strip() for _, text in lines if GUEST_ERROR_RE.match(text.strip())]
+
+
+def ops_rate(points, t0, t1):
+    """Ops per second over the progress points with t0 <= t <= t1 (None if fewer than two)."""
+    inside = [(t, ops) for t, ops in points if t0 <= t <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def max_gap_ms(points, t0, t1):
+    """Largest gap between consecutive progress points inside [t0, t1], in ms (None if fewer than two)."""
+    times = [t for t, _ in points if t0 <= t <= t1]
+    if len(times) < 2:
+        return None
+    return max(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+def switchover(src_points, dst_points, t_start):
+    """Guest-observed downtime around the switch-over.
+
+    Returns (last source progress time, first destination progress time, gap in ms):
+    the last source line at or after migration start and the first destination
+    line after it. (None, None, None) if either side has no line."""
+    src = [t for t, _ in src_points if t >= t_start]
+    if not src or not dst_points:
+        return None, None, None
+    t_src_last = src[-1]
+    dst = [t for t, _ in dst_points if t >= t_src_last]
+    if not dst:
+        return t_src_last, None, None
+    return t_src_last, dst[0], (dst[0] - t_src_last) * 1e3
+
+
+def guest_downtime_ms(src_points, dst_points, t_src_last, t_dst_first, around_s=1.0):
+    """Largest gap between consecutive progress lines around the switch-over, in ms.
+
+    The source's lines up to its last one, then the destination's lines, taken within around_s
+    before the source's last line and after the destination's first line; so a stall just before
+    the pause or just after the resume counts too. At least the switch-over gap itself."""
+    if t_src_last is None or t_dst_first is None:
+        return None
+    times = [t for t, _ in src_points if t_src_last - around_s <= t <= t_src_last]
+    times += [t for t, _ in dst_points if t_dst_first <= t <= t_dst_first + around_s]
+    return max(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+def ops_continuous(src_points, dst_points):
+    """True when the destination's ops counter carries on from the source's (the guest's state moved)."""
+    if not src_points or not dst_points:
+        return False
+    return dst_points[0][1] >= src_points[-1][1]
+
+
+
+
+class LineLog:
+    """Lines of text with the harness's time.monotonic() of arrival; filled by a reader thread."""
+
+    def __init__(self):
+        self.lines = []
+        self.lock = threading.Lock()
+
+    def add(self, text):
+        t = time.monotonic()
+        with self.lock:
+            self.lines.append((t, text.rstrip("\r\n")))
+
+    def snapshot(self):
+        with self.lock:
+            return list(self.lines)
+
+    def follow(self, stream):
+        """Reads a binary stream line by line until EOF (run in a thread)."""
+        def loop():
+            try:
+                for raw in iter(stream.readline, b""):
+                    self.add(raw.decode("utf-8", "replace"))
+            except (OSError, ValueError):
+                pass
+        threading.Thread(target=loop, daemon=True).start()
