@@ -14,6 +14,7 @@ pub mod guest_elf;
 pub mod kvm;
 pub mod memory;
 pub mod persist;
+pub mod uffd;
 pub mod vcpu;
 pub mod vm;
 

@@ -222,3 +222,95 @@ fn dirty_log_sees_guest_writes_and_clears() {
     vm.dirty_log(&mut bitmap).unwrap();
     assert!(count(&bitmap) > 0, "writes after clearing were not logged again");
 }
+
+/// A paused VM's memory and state moved into a second VM whose memory
+/// starts empty and is filled on demand through userfaultfd (post-copy on
+/// one host): the vCPU's faults inside KVM and a VMM thread's reads are
+/// served, half from a request thread and half pushed in the background,
+/// and the guest goes on with its memory intact.
+#[test]
+fn a_vm_runs_while_its_memory_arrives_on_demand() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use tsubame_vmm::uffd::PageFaults;
+
+    if !kvm_or_skip() {
+        return;
+    }
+    for workload in ["workload=kv wss=24M", "workload=sparse wss=24M"] {
+        let (vm, console) = boot(64 << 20, workload);
+        let before = ops(&collect(&console, Duration::from_millis(800)));
+        vm.pause().unwrap();
+        let state = vm.save_state().unwrap();
+        let pages = memory::page_count(vm.memory());
+        let mut snapshot = vec![0u8; pages as usize * 4096];
+        memory::read(vm.memory(), 0, &mut snapshot).unwrap();
+        drop(vm);
+
+        let mut target = Vm::create(&VmConfig { memory_bytes: 64 << 20, hugepages: false }).unwrap();
+        let console = target.take_console().unwrap();
+        let faults = Arc::new(PageFaults::register(target.memory()).unwrap());
+        let snapshot = Arc::new(snapshot);
+        let page =
+            |snapshot: &[u8], p: u64| -> [u8; 4096] { snapshot[p as usize * 4096..][..4096].try_into().unwrap() };
+        let done = Arc::new(AtomicBool::new(false));
+        // Faults: the odd pages are served at once; the even ones wait for
+        // the background push, which installs every even page, slowly.
+        let server = {
+            let (faults, snapshot, done) = (faults.clone(), snapshot.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                while !done.load(Ordering::Acquire) {
+                    faults.wait_faults(Duration::from_millis(20), &mut seen).unwrap();
+                    for f in seen.drain(..) {
+                        if f.page % 2 == 1 {
+                            faults.install(f.page, &page(&snapshot, f.page)).unwrap();
+                        }
+                    }
+                }
+            })
+        };
+        let pusher = {
+            let (faults, snapshot) = (faults.clone(), snapshot.clone());
+            std::thread::spawn(move || {
+                for p in (0..pages).step_by(2) {
+                    faults.install(p, &page(&snapshot, p)).unwrap();
+                    if p % 256 == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            })
+        };
+        target.restore_state(&state).unwrap();
+        // The dirty log tells which pages the guest wrote after it resumed.
+        target.set_dirty_logging(true).unwrap();
+        let mut written = target.dirty_bitmap();
+        written.set_all();
+        target.clear_dirty_log(0, written.words()).unwrap();
+        target.start(false).unwrap();
+        let after = ops(&collect(&console, Duration::from_millis(1500)));
+        pusher.join().unwrap();
+        assert!(after.len() >= 3, "{workload}: {} progress lines while pages arrived", after.len());
+        assert!(after[0] >= *before.last().unwrap(), "{workload}: ops restarted");
+        assert!(after.last() > after.first(), "{workload}: the guest did not go on");
+        // Every odd page was faulted on or is still missing: install the rest.
+        for p in (1..pages).step_by(2) {
+            faults.install(p, &page(&snapshot, p)).unwrap();
+        }
+        target.pause().unwrap();
+        done.store(true, Ordering::Release);
+        server.join().unwrap();
+        let stats = faults.stats();
+        assert!(stats.faults > 0 && stats.served > 0, "{workload}: no faults served: {stats:?}");
+        assert_eq!(stats.installed, pages, "{workload}: pages installed");
+        eprintln!("{workload}: {stats:?}");
+        // Every page the guest did not write since is as it was.
+        target.dirty_log(&mut written).unwrap();
+        let mut now = vec![0u8; pages as usize * 4096];
+        memory::read(target.memory(), 0, &mut now).unwrap();
+        let differ: Vec<u64> =
+            (0..pages).filter(|&p| !written.get(p) && now[p as usize * 4096..][..4096] != page(&snapshot, p)).collect();
+        assert!(differ.is_empty(), "{workload}: {} unwritten pages differ, first {:?}", differ.len(), differ.first());
+        assert!(written.count() < pages, "{workload}: every page written?");
+    }
+}

@@ -1,0 +1,385 @@
+//! Missing-page faults of guest memory, served by the VMM (userfaultfd):
+//! the mechanism under post-copy migration (a missing page comes from the
+//! migration source) and far memory (from a memory host).
+//!
+//! Guest memory is registered in missing mode: a first access to a page
+//! that is not backed — by a vCPU inside KVM, which touches guest memory
+//! from kernel mode (hence no user-mode-only flag), or by a VMM thread —
+//! blocks that thread and queues a fault. One thread reads the faults
+//! ([`PageFaults::wait_faults`]) and hands them to whoever provides pages;
+//! any thread installs a page ([`PageFaults::install`], `UFFDIO_COPY`, or
+//! [`PageFaults::install_zero`]) whenever it has it, asked for or not,
+//! which wakes every thread waiting on it. A page installed twice is no
+//! error: the second install finds it present. [`PageFaults::discard`]
+//! makes pages missing again (`MADV_DONTNEED`).
+//!
+//! The one rule: a thread that installs pages must never itself touch a
+//! guest page that may be missing, or it waits on itself. The threads
+//! that serve faults get page contents from the network or from a
+//! snapshot, never from guest memory.
+//!
+//! Limits: guest memory must be one anonymous private mapping (as
+//! `memory::create` makes it); transparent huge pages are not used while
+//! registered (khugepaged leaves registered ranges alone), so ask for them
+//! only after [`PageFaults::unregister`].
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use userfaultfd::{Event, Uffd, UffdBuilder};
+
+use crate::memory::{self, GuestMemory, PAGE_SIZE};
+
+/// Why faults cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum FaultError {
+    /// userfaultfd is missing or refused (needs root, or
+    /// vm.unprivileged_userfaultfd=1 with kernel-mode faults).
+    #[error("userfaultfd is not available: {0}")]
+    Unavailable(String),
+    /// Guest memory is not one mapping.
+    #[error("guest memory must be one mapping to serve its page faults")]
+    NotOneMapping,
+    /// Registering, reading faults, or installing a page failed.
+    #[error("{what} failed: {detail}")]
+    Op {
+        /// The operation.
+        what: &'static str,
+        /// What the kernel said.
+        detail: String,
+    },
+    /// A page index outside guest memory.
+    #[error("page {0} is outside guest memory")]
+    OutOfRange(u64),
+}
+
+fn op(what: &'static str) -> impl Fn(userfaultfd::Error) -> FaultError {
+    move |e| FaultError::Op { what, detail: e.to_string() }
+}
+
+/// One missing-page fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// The guest page.
+    pub page: u64,
+    /// The faulting thread (a vCPU or a VMM thread).
+    pub thread: i32,
+    /// True for a write access.
+    pub write: bool,
+}
+
+/// What an install found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// The page is now present.
+    Now,
+    /// It was present already (installed before, or never missing).
+    Already,
+}
+
+/// Counts and service times of faults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FaultStats {
+    /// Faults read.
+    pub faults: u64,
+    /// Of those, served: the page installed after the fault was read.
+    pub served: u64,
+    /// Pages installed (asked for or not).
+    pub installed: u64,
+    /// Service time (fault read to page installed), median, µs.
+    pub latency_p50_us: u64,
+    /// 99th percentile, µs.
+    pub latency_p99_us: u64,
+    /// Longest, µs.
+    pub latency_max_us: u64,
+}
+
+/// Service times, one sample per served fault (µs).
+#[derive(Default)]
+struct Latencies {
+    waiting: HashMap<u64, Instant>,
+    samples: Vec<u32>,
+    faults: u64,
+    installed: u64,
+}
+
+/// Guest memory registered for missing-page faults.
+pub struct PageFaults {
+    uffd: Uffd,
+    /// Host address of guest page 0, and the pages of the mapping.
+    base: usize,
+    pages: u64,
+    latencies: Mutex<Latencies>,
+}
+
+impl PageFaults {
+    /// Registers all of `mem` in missing mode. Pages already backed stay
+    /// present; every other page faults on first access until installed.
+    pub fn register(mem: &GuestMemory) -> Result<PageFaults, FaultError> {
+        let (base, len) = memory::single_mapping(mem).ok_or(FaultError::NotOneMapping)?;
+        let uffd = UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            .user_mode_only(false)
+            .require_features(userfaultfd::FeatureFlags::THREAD_ID)
+            .create()
+            .map_err(|e| FaultError::Unavailable(e.to_string()))?;
+        uffd.register(base.cast_mut().cast(), len).map_err(op("UFFDIO_REGISTER"))?;
+        Ok(PageFaults { uffd, base: base as usize, pages: (len / PAGE_SIZE) as u64, latencies: Mutex::default() })
+    }
+
+    /// Pages of the registered memory.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    fn address(&self, page: u64) -> Result<*mut libc::c_void, FaultError> {
+        if page >= self.pages {
+            return Err(FaultError::OutOfRange(page));
+        }
+        Ok((self.base + page as usize * PAGE_SIZE) as *mut libc::c_void)
+    }
+
+    /// Waits up to `timeout` for faults and appends them to `out` (one per
+    /// page and thread); returns with none when the time passes.
+    pub fn wait_faults(&self, timeout: Duration, out: &mut Vec<Fault>) -> Result<(), FaultError> {
+        let mut poll = libc::pollfd { fd: self.uffd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one pollfd that lives across the call.
+        let ready = unsafe { libc::poll(&mut poll, 1, ms) };
+        if ready <= 0 {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let mut latencies = self.latencies.lock().unwrap();
+        while let Some(event) = self.uffd.read_event().map_err(op("reading a userfaultfd event"))? {
+            if let Event::Pagefault { addr, rw, thread_id, .. } = event {
+                let offset = (addr as usize).wrapping_sub(self.base);
+                let page = (offset / PAGE_SIZE) as u64;
+                if page >= self.pages {
+                    continue;
+                }
+                latencies.faults += 1;
+                latencies.waiting.entry(page).or_insert(now);
+                out.push(Fault {
+                    page,
+                    thread: thread_id.as_raw(),
+                    write: matches!(rw, userfaultfd::ReadWrite::Write),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn installed(
+        &self,
+        page: u64,
+        result: Result<usize, userfaultfd::Error>,
+        what: &'static str,
+    ) -> Result<Installed, FaultError> {
+        let outcome = match result {
+            Ok(_) => Installed::Now,
+            Err(userfaultfd::Error::CopyFailed(errno) | userfaultfd::Error::ZeropageFailed(errno))
+                if errno as i32 == libc::EEXIST =>
+            {
+                // Present already: whoever faulted on it was woken then.
+                let _ = self.uffd.wake(self.address(page)?, PAGE_SIZE);
+                Installed::Already
+            }
+            Err(e) => return Err(op(what)(e)),
+        };
+        let mut latencies = self.latencies.lock().unwrap();
+        if outcome == Installed::Now {
+            latencies.installed += 1;
+        }
+        if let Some(at) = latencies.waiting.remove(&page) {
+            let us = at.elapsed().as_micros().min(u32::MAX as u128) as u32;
+            latencies.samples.push(us);
+        }
+        Ok(outcome)
+    }
+
+    /// Installs `data` as page `page` (`UFFDIO_COPY`) and wakes the threads
+    /// waiting on it.
+    pub fn install(&self, page: u64, data: &[u8; PAGE_SIZE]) -> Result<Installed, FaultError> {
+        let dst = self.address(page)?;
+        // SAFETY: `dst` is a page of the registered mapping (range checked
+        // above) and `data` a readable page; UFFDIO_COPY copies it in
+        // atomically and fails with EEXIST if the page is present.
+        let result = unsafe { self.uffd.copy(data.as_ptr().cast(), dst, PAGE_SIZE, true) };
+        self.installed(page, result, "UFFDIO_COPY")
+    }
+
+    /// Installs a zero page (`UFFDIO_ZEROPAGE`) and wakes its waiters.
+    pub fn install_zero(&self, page: u64) -> Result<Installed, FaultError> {
+        let dst = self.address(page)?;
+        // SAFETY: `dst` is a page of the registered mapping (range checked).
+        let result = unsafe { self.uffd.zeropage(dst, PAGE_SIZE, true) };
+        self.installed(page, result, "UFFDIO_ZEROPAGE")
+    }
+
+    /// Makes `count` pages from `first` missing again: their contents are
+    /// dropped and the next access faults.
+    pub fn discard(&self, first: u64, count: u64) -> Result<(), FaultError> {
+        if count == 0 {
+            return Ok(());
+        }
+        if first.checked_add(count).is_none_or(|end| end > self.pages) {
+            return Err(FaultError::OutOfRange(first + count - 1));
+        }
+        let start = self.address(first)?;
+        // SAFETY: the range lies inside the registered private anonymous
+        // mapping (checked above); MADV_DONTNEED drops its pages, which then
+        // read as missing.
+        let r = unsafe { libc::madvise(start, count as usize * PAGE_SIZE, libc::MADV_DONTNEED) };
+        if r != 0 {
+            return Err(FaultError::Op { what: "MADV_DONTNEED", detail: std::io::Error::last_os_error().to_string() });
+        }
+        Ok(())
+    }
+
+    /// Discards every page set in `pages` (runs of set bits at once).
+    pub fn discard_set(&self, pages: &crate::DirtyBitmap) -> Result<(), FaultError> {
+        let mut run: Option<(u64, u64)> = None;
+        for page in pages.iter() {
+            run = match run {
+                Some((first, count)) if first + count == page => Some((first, count + 1)),
+                Some((first, count)) => {
+                    self.discard(first, count)?;
+                    Some((page, 1))
+                }
+                None => Some((page, 1)),
+            };
+        }
+        if let Some((first, count)) = run {
+            self.discard(first, count)?;
+        }
+        Ok(())
+    }
+
+    /// Stops serving faults: afterwards a missing page is zero-filled by
+    /// the kernel on access, as in any anonymous mapping.
+    pub fn unregister(&self) -> Result<(), FaultError> {
+        self.uffd
+            .unregister(self.base as *mut libc::c_void, self.pages as usize * PAGE_SIZE)
+            .map_err(op("UFFDIO_UNREGISTER"))
+    }
+
+    /// Counts and service times so far.
+    pub fn stats(&self) -> FaultStats {
+        let latencies = self.latencies.lock().unwrap();
+        let mut samples = latencies.samples.clone();
+        samples.sort_unstable();
+        let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0) as u64;
+        FaultStats {
+            faults: latencies.faults,
+            served: samples.len() as u64,
+            installed: latencies.installed,
+            latency_p50_us: at(0.5),
+            latency_p99_us: at(0.99),
+            latency_max_us: samples.last().copied().unwrap_or(0) as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn page_of(byte: u8) -> [u8; PAGE_SIZE] {
+        [byte; PAGE_SIZE]
+    }
+
+    #[test]
+    fn faults_are_served_and_pages_can_go_missing_again() {
+        let mem = Arc::new(memory::create(16 << 20, false).unwrap());
+        memory::write(&mem, 5 * PAGE_SIZE as u64, &[9]).unwrap(); // backed before: stays present
+        let faults = Arc::new(PageFaults::register(&mem).unwrap());
+        // A reader of three missing pages and one present one.
+        let reader = {
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                [3u64, 5, 7, 3].map(|page| {
+                    let mut byte = [0u8];
+                    memory::read(&mem, page * PAGE_SIZE as u64, &mut byte).unwrap();
+                    byte[0]
+                })
+            })
+        };
+        let mut served = 0;
+        let mut seen = Vec::new();
+        while served < 2 {
+            faults.wait_faults(Duration::from_millis(500), &mut seen).unwrap();
+            for fault in seen.drain(..) {
+                assert_ne!(fault.page, 5, "a present page faulted");
+                if faults.install(fault.page, &page_of(fault.page as u8 + 100)).unwrap() == Installed::Now {
+                    served += 1;
+                }
+            }
+        }
+        assert_eq!(reader.join().unwrap(), [103, 9, 107, 103]);
+        // A second install of a present page, and a zero page.
+        assert_eq!(faults.install(3, &page_of(1)).unwrap(), Installed::Already);
+        assert_eq!(faults.install_zero(9).unwrap(), Installed::Now);
+        let stats = faults.stats();
+        assert_eq!((stats.faults, stats.served, stats.installed), (2, 2, 3));
+        assert!(stats.latency_max_us >= stats.latency_p50_us);
+
+        // Discarded pages fault again.
+        let mut gone = crate::DirtyBitmap::new(faults.pages());
+        gone.set(3);
+        gone.set(4);
+        faults.discard_set(&gone).unwrap();
+        let reader = {
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                let mut byte = [0u8];
+                memory::read(&mem, 3 * PAGE_SIZE as u64, &mut byte).unwrap();
+                byte[0]
+            })
+        };
+        loop {
+            faults.wait_faults(Duration::from_millis(500), &mut seen).unwrap();
+            if let Some(fault) = seen.pop() {
+                assert_eq!(fault.page, 3);
+                faults.install(3, &page_of(42)).unwrap();
+                break;
+            }
+        }
+        assert_eq!(reader.join().unwrap(), 42);
+        assert!(matches!(faults.install(faults.pages(), &page_of(0)), Err(FaultError::OutOfRange(_))));
+        faults.unregister().unwrap();
+        // Unregistered: a missing page reads as zeros without a fault.
+        let mut byte = [1u8];
+        memory::read(&mem, 4 * PAGE_SIZE as u64, &mut byte).unwrap();
+        assert_eq!(byte[0], 0);
+    }
+
+    #[test]
+    fn a_page_pushed_while_its_fault_waits_wakes_the_reader() {
+        let mem = Arc::new(memory::create(8 << 20, false).unwrap());
+        let faults = Arc::new(PageFaults::register(&mem).unwrap());
+        let reader = {
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                let mut byte = [0u8];
+                memory::read(&mem, 11 * PAGE_SIZE as u64, &mut byte).unwrap();
+                byte[0]
+            })
+        };
+        // Another thread installs the page without reading the fault.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(faults.install(11, &page_of(77)).unwrap(), Installed::Now);
+        assert_eq!(reader.join().unwrap(), 77);
+        // The fault read late finds the page present.
+        let mut seen = Vec::new();
+        faults.wait_faults(Duration::from_millis(200), &mut seen).unwrap();
+        for fault in seen {
+            assert_eq!(faults.install(fault.page, &page_of(1)).unwrap(), Installed::Already);
+        }
+    }
+}
