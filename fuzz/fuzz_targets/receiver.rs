@@ -8,9 +8,8 @@ use libfuzzer_sys::fuzz_target;
 use tsubame_migrate::destination::{receive_stream, MemoryLanding, ReceiveOptions};
 
 fuzz_target!(|data: &[u8]| {
-    let mut input = data;
-    let mut replies = Vec::new();
+    let input = std::io::Cursor::new(data.to_vec());
     // Small memory only: each run maps what HELLO asks for.
     let mut landing = MemoryLanding { max_bytes: 32 << 20, memory: None, started: false };
-    let _ = receive_stream(&mut input, &mut replies, &mut landing, &ReceiveOptions::default());
+    let _ = receive_stream(input, std::io::sink(), &mut landing, &ReceiveOptions::default());
 });

@@ -115,6 +115,27 @@ impl IncrementalDigest {
     }
 }
 
+/// The hash of one page as the digest takes it.
+pub fn page_hash(page: &[u8; PAGE_SIZE]) -> u64 {
+    xxh3_64(page)
+}
+
+/// The hash of a zero page (and of a page never populated).
+pub fn zero_page_hash() -> u64 {
+    static ZERO: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ZERO.get_or_init(|| xxh3_64(&[0u8; PAGE_SIZE]))
+}
+
+/// The region hashes of `region`-byte regions from each page's hash: what
+/// [`memory_digest`] gives for memory holding those pages.
+pub fn region_hashes(pages: &[u64], region: u32) -> Vec<u64> {
+    let per_region = (region as usize / PAGE_SIZE).max(1);
+    pages
+        .chunks(per_region)
+        .map(|chunk| xxh3_64(&chunk.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<u8>>()))
+        .collect()
+}
+
 /// Less stale memory than this is hashed on the calling thread alone.
 const MIN_BYTES_PER_THREAD: usize = 64 << 20;
 
@@ -132,7 +153,7 @@ impl Slice<'_> {
     /// Hashes the stale pages and their regions; returns the pages hashed.
     fn hash(self, mem: &GuestMemory, pagemap: Option<&memory::Pagemap>) -> usize {
         let per_region = self.per_region;
-        let zero_page = xxh3_64(&[0u8; PAGE_SIZE]);
+        let zero_page = zero_page_hash();
         let mut page = [0u8; PAGE_SIZE];
         let mut populated = vec![true; per_region];
         let mut combined = Vec::with_capacity(per_region * 8);
@@ -155,7 +176,7 @@ impl Slice<'_> {
                 self.pages[i] = if populated[i - first] {
                     memory::read_page(mem, first_page + (i - first) as u64, &mut page)
                         .expect("page inside guest memory");
-                    xxh3_64(&page)
+                    page_hash(&page)
                 } else {
                     zero_page
                 };
@@ -186,6 +207,7 @@ pub struct BackgroundDigest {
 enum Request {
     Mark(DirtyBitmap),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
+    PageHashes(crossbeam_channel::Sender<Vec<u64>>),
 }
 
 impl BackgroundDigest {
@@ -211,15 +233,19 @@ impl BackgroundDigest {
                                 taken += pages.count();
                                 digest.mark(&pages);
                             }
-                            Request::Hashes(reply) => waiting.push(reply),
+                            other => waiting.push(other),
                         }
                     }
                     // One thread while the migration runs beside it; every
                     // core when someone waits (the guest is paused then).
                     digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
                     thread_backlog.fetch_sub(std::mem::take(&mut taken), Ordering::Relaxed);
-                    for reply in waiting {
-                        let _ = reply.send(digest.hashes().to_vec());
+                    for request in waiting {
+                        match request {
+                            Request::Hashes(reply) => drop(reply.send(digest.hashes().to_vec())),
+                            Request::PageHashes(reply) => drop(reply.send(digest.pages.clone())),
+                            Request::Mark(_) => {}
+                        }
                     }
                 }
             })
@@ -247,6 +273,14 @@ impl BackgroundDigest {
     pub fn hashes(&self) -> Vec<u64> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.requests.send(Request::Hashes(tx)).expect("digest thread runs");
+        rx.recv().expect("digest thread answers")
+    }
+
+    /// Each page's hash, every marked page hashed: the start of a digest
+    /// kept page by page from then on ([`region_hashes`]).
+    pub fn page_hashes(&self) -> Vec<u64> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.requests.send(Request::PageHashes(tx)).expect("digest thread runs");
         rx.recv().expect("digest thread answers")
     }
 }
@@ -279,6 +313,14 @@ mod tests {
         let short = Digest { region: 1 << 20, hashes: before[..3].to_vec() }.encode();
         assert!(Digest::decode(&short, 1 << 20, 16).is_err());
         assert!(Digest::decode(&Digest { region: 1 << 19, hashes: before }.encode(), 1 << 20, 16).is_err());
+    }
+
+    #[test]
+    fn region_hashes_from_page_hashes_match_a_full_digest() {
+        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
+        memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
+        let digest = BackgroundDigest::start(mem.clone(), 256 << 10);
+        assert_eq!(region_hashes(&digest.page_hashes(), 256 << 10), memory_digest(&mem, 256 << 10, 1));
     }
 
     #[test]

@@ -16,6 +16,6 @@ pub mod stats;
 pub mod subpage;
 pub mod transport;
 
-pub use options::{GpuOffload, MigrateOptions, Progress, ProgressCell};
+pub use options::{GpuOffload, MigrateOptions, PostcopyMode, Progress, ProgressCell};
 pub use stats::MigrationStats;
 pub use transport::Address;

@@ -55,6 +55,49 @@ pub struct MigrateOptions {
     pub gpu: Option<GpuOffload>,
     /// How every connection is protected (pre-shared key, TLS, or plain).
     pub security: crate::transport::Security,
+    /// Whether and when to switch to post-copy.
+    pub postcopy: PostcopyMode,
+    /// How long a cut post-copy link is retried before the VM is given up.
+    pub postcopy_timeout: Duration,
+}
+
+/// `--postcopy`: whether to finish with post-copy instead of a long
+/// stop-and-copy (the destination runs the VM at once and is sent the
+/// pages it lacks, those it faults on first).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PostcopyMode {
+    /// Pre-copy only.
+    #[default]
+    Off,
+    /// Switch when pre-copy is not converging, as judged from the measured
+    /// dirty rate and link rate.
+    Auto,
+    /// Switch after this many pre-copy iterations (0: at once).
+    After(u32),
+}
+
+impl std::str::FromStr for PostcopyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PostcopyMode, String> {
+        match s {
+            "off" => Ok(PostcopyMode::Off),
+            "auto" => Ok(PostcopyMode::Auto),
+            _ => match s.strip_prefix("after=").and_then(|n| n.parse::<u32>().ok()) {
+                Some(n) if n <= 1000 => Ok(PostcopyMode::After(n)),
+                _ => Err(format!("postcopy mode '{s}': use off, auto or after=N (N pre-copy iterations, 0 to 1000)")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for PostcopyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PostcopyMode::Off => f.write_str("off"),
+            PostcopyMode::Auto => f.write_str("auto"),
+            PostcopyMode::After(n) => write!(f, "after={n}"),
+        }
+    }
 }
 
 /// Where `--gpu` runs the codecs.
@@ -142,6 +185,8 @@ impl Default for MigrateOptions {
             zero_copy: false,
             gpu: None,
             security: Default::default(),
+            postcopy: PostcopyMode::Off,
+            postcopy_timeout: Duration::from_secs(60),
         }
     }
 }

@@ -36,6 +36,9 @@ pub enum StopReason {
     /// Three times memory went out (Xen's limit).
     #[serde(rename = "sent-3x-memory")]
     Sent3xMemory,
+    /// Pre-copy handed over to post-copy.
+    #[serde(rename = "postcopy")]
+    Postcopy,
 }
 
 impl StopReason {
@@ -52,6 +55,7 @@ impl StopReason {
             StopReason::NoDirtyPages => "no-dirty-pages",
             StopReason::MaxIterations => "max-iterations",
             StopReason::Sent3xMemory => "sent-3x-memory",
+            StopReason::Postcopy => "postcopy",
         }
     }
 }
@@ -99,6 +103,36 @@ pub struct DowntimeBreakdown {
     pub destination_verify_ms: f64,
     /// COMMIT until the destination confirmed it runs the VM.
     pub commit_ms: f64,
+}
+
+/// The post-copy phase, when the migration switched to it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PostcopyStats {
+    /// When the source paused its VM for the switch, from the start.
+    pub started_at_ms: f64,
+    /// The switch to the destination holding every page.
+    pub duration_ms: f64,
+    /// Pages the destination lacked at the switch.
+    pub pages_missing: u64,
+    /// Pages the destination asked for (its guest faulted on them).
+    pub pages_requested: u64,
+    /// Pages sent because they were asked for (first, on their own
+    /// connection).
+    pub pages_sent_on_request: u64,
+    /// Pages pushed in the background.
+    pub pages_pushed: u64,
+    /// Of the pushed, zero records.
+    pub pages_zero: u64,
+    /// Faults the destination read.
+    pub faults: u64,
+    /// Fault service time (fault to page installed), median, µs.
+    pub fault_latency_p50_us: u64,
+    /// 99th percentile, µs.
+    pub fault_latency_p99_us: u64,
+    /// Longest, µs.
+    pub fault_latency_max_us: u64,
+    /// The guest's ops/s at the destination during the phase (0: unknown).
+    pub guest_ops_per_sec: f64,
 }
 
 /// Per-codec counters.
@@ -165,6 +199,9 @@ pub struct MigrationStats {
     /// The source's stages: busy and waiting time, queues, CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineStats>,
+    /// The post-copy phase, when there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub postcopy: Option<PostcopyStats>,
 }
 
 /// Busy and waiting time of one stage, summed over its threads.

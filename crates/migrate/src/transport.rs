@@ -401,7 +401,8 @@ impl Drop for Listener {
 /// A token bucket shared by every channel of a migration: `--max-bandwidth`
 /// caps their sum. Also counts the bytes they wrote.
 pub struct Pacer {
-    rate: Option<u64>,
+    /// Bytes per second; 0 = unlimited.
+    rate: AtomicU64,
     bucket: Mutex<Bucket>,
     bytes: AtomicU64,
 }
@@ -418,10 +419,19 @@ impl Pacer {
     /// A pacer for `rate` bytes per second (None = unlimited).
     pub fn new(rate: Option<u64>) -> Arc<Pacer> {
         Arc::new(Pacer {
-            rate,
+            rate: AtomicU64::new(rate.unwrap_or(0)),
             bucket: Mutex::new(Bucket { tokens: 0.0, last: Instant::now() }),
             bytes: AtomicU64::new(0),
         })
+    }
+
+    /// Changes the rate (None = unlimited) from now on.
+    pub fn set_rate(&self, rate: Option<u64>) {
+        self.rate.store(rate.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    fn rate(&self) -> Option<u64> {
+        Some(self.rate.load(Ordering::Relaxed)).filter(|&r| r > 0)
     }
 
     /// Bytes written through this pacer so far.
@@ -438,7 +448,7 @@ impl Pacer {
 
     /// The largest write that may go in one step.
     fn slice(&self, len: usize) -> usize {
-        match self.rate {
+        match self.rate() {
             Some(rate) => len.min(((rate as f64 * BURST.as_secs_f64()) as usize).max(4096)),
             None => len,
         }
@@ -446,7 +456,7 @@ impl Pacer {
 
     /// Sleeps until `n` bytes may go.
     fn wait_for(&self, n: usize) {
-        let Some(rate) = self.rate else { return };
+        let Some(rate) = self.rate() else { return };
         let rate = rate as f64;
         let cap = (rate * BURST.as_secs_f64()).max(n as f64);
         let debt = {

@@ -6,8 +6,8 @@ use tsubame_migrate::protocol::pages::{
     for_each_record, for_each_subpage, CompressedHeader, Encoding, PagesBuilder, MAX_UNPACKED,
 };
 use tsubame_migrate::protocol::{
-    self, ChannelOpen, Digest, ErrorMessage, FrameKind, Hello, IterationEnd, Mismatch, Resumed, MAX_CHANNELS,
-    MAX_SHARDS,
+    self, ChannelOpen, Digest, ErrorMessage, FrameKind, Hello, IterationEnd, Mismatch, PageRequest, PostcopyDone,
+    PostcopyRunning, PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY, MAX_CHANNELS, MAX_SHARDS,
 };
 
 fn hello() -> impl Strategy<Value = Hello> {
@@ -19,8 +19,9 @@ fn hello() -> impl Strategy<Value = Hello> {
         any::<u64>(),
         1u16..=MAX_CHANNELS,
         0u16..=MAX_SHARDS,
+        any::<bool>(),
     )
-        .prop_map(|(mem, region, g, codecs, session, channels, extra)| Hello {
+        .prop_map(|(mem, region, g, codecs, session, channels, extra, postcopy)| Hello {
             memory_bytes: (mem * (2 << 20)).max(8 << 20),
             page_size: 4096,
             vcpus: 1,
@@ -30,6 +31,7 @@ fn hello() -> impl Strategy<Value = Hello> {
             session,
             channels,
             shards: (channels + extra).min(MAX_SHARDS),
+            flags: if postcopy { HELLO_POSTCOPY } else { 0 },
         })
 }
 
@@ -55,6 +57,31 @@ proptest! {
         let (back, rest) = CompressedHeader::parse(&bytes).unwrap();
         prop_assert_eq!(back, header);
         prop_assert_eq!(rest, b"packed");
+    }
+
+    #[test]
+    fn postcopy_messages_round_trip(pages in 1u64..5000, set in prop::collection::vec(any::<u64>(), 0..64),
+                                    last in prop::option::of(any::<u32>().prop_filter("not all ones", |&l| l != u32::MAX)),
+                                    requested in prop::collection::vec(0u64..5000, 1..100), n in any::<u64>(), x in any::<u32>()) {
+        let mut missing = tsubame_vmm::DirtyBitmap::new(pages);
+        for p in &set {
+            missing.set(p % pages);
+        }
+        let start = PostcopyStart { last_iteration: last, missing: missing.clone() };
+        prop_assert_eq!(PostcopyStart::decode(&start.encode(), pages).unwrap(), start);
+        let ack = ResumeAck { missing };
+        prop_assert_eq!(ResumeAck::decode(&ack.encode(), pages).unwrap(), ack);
+        let request = PageRequest { pages: requested.iter().map(|p| p % pages).collect() };
+        prop_assert_eq!(PageRequest::decode(&request.encode(), pages).unwrap(), request);
+        let running = PostcopyRunning { cpu_micros: n };
+        prop_assert_eq!(PostcopyRunning::decode(&running.encode()).unwrap(), running);
+        let done = PostcopyDone {
+            mismatched: x, faults: n, requested: n / 2, latency_p50_us: n % 1000, latency_p99_us: n % 7,
+            latency_max_us: n, cpu_micros: n / 3, guest_ops_per_sec: x as f64 * 1.5,
+        };
+        prop_assert_eq!(PostcopyDone::decode(&done.encode()).unwrap(), done);
+        let resume = Resume { session: n, channel: x as u16 };
+        prop_assert_eq!(Resume::decode(&resume.encode()).unwrap(), resume);
     }
 
     #[test]
@@ -113,7 +140,7 @@ proptest! {
     }
 
     #[test]
-    fn frames_carry_any_payload(payload in prop::collection::vec(any::<u8>(), 0..5000), kind in 1u16..=14) {
+    fn frames_carry_any_payload(payload in prop::collection::vec(any::<u8>(), 0..5000), kind in 1u16..=21) {
         let kind = FrameKind::from_u16(kind).unwrap();
         prop_assume!(kind != FrameKind::PagesZeroCopy);
         let mut wire = Vec::new();

@@ -9,9 +9,10 @@ const RECORDED: &[u8] = include_bytes!("../../../fuzz/corpus/receiver/migration-
 
 fn land(stream: &[u8]) -> (Result<u32, String>, MemoryLanding) {
     let mut landing = MemoryLanding { max_bytes: 32 << 20, memory: None, started: false };
-    let mut input = stream;
-    let result = receive_stream(&mut input, &mut Vec::new(), &mut landing, &ReceiveOptions::default())
-        .map_err(|e| e.to_string());
+    let input = stream;
+    let result =
+        receive_stream(std::io::Cursor::new(input.to_vec()), Vec::new(), &mut landing, &ReceiveOptions::default())
+            .map_err(|e| e.to_string());
     (result, landing)
 }
 
@@ -29,7 +30,7 @@ fn a_one_byte_buffer_budget_still_lands_the_stream() {
     // cap slows a receive down, it never wedges it.
     let mut landing = MemoryLanding { max_bytes: 32 << 20, memory: None, started: false };
     let options = ReceiveOptions { in_flight_limit: 1, ..ReceiveOptions::default() };
-    let result = receive_stream(&mut &RECORDED[..], &mut Vec::new(), &mut landing, &options);
+    let result = receive_stream(std::io::Cursor::new(RECORDED.to_vec()), Vec::new(), &mut landing, &options);
     assert!(result.is_ok(), "{:?}", result.err());
     assert!(landing.started);
 }
@@ -45,8 +46,10 @@ fn truncated_streams_never_commit() {
 #[test]
 fn memory_above_the_cap_is_refused() {
     let mut landing = MemoryLanding { max_bytes: 4 << 20, memory: None, started: false };
-    let mut input = RECORDED;
-    let err = receive_stream(&mut input, &mut Vec::new(), &mut landing, &ReceiveOptions::default()).unwrap_err();
+    let input = RECORDED;
+    let err =
+        receive_stream(std::io::Cursor::new(input.to_vec()), Vec::new(), &mut landing, &ReceiveOptions::default())
+            .unwrap_err();
     assert!(err.to_string().contains("exceed"), "{err}");
 }
 

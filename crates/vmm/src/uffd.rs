@@ -57,7 +57,15 @@ pub enum FaultError {
 }
 
 fn op(what: &'static str) -> impl Fn(userfaultfd::Error) -> FaultError {
-    move |e| FaultError::Op { what, detail: e.to_string() }
+    move |e| FaultError::Op {
+        what,
+        detail: match e {
+            userfaultfd::Error::CopyFailed(errno) | userfaultfd::Error::ZeropageFailed(errno) => {
+                errno.desc().to_string()
+            }
+            other => other.to_string(),
+        },
+    }
 }
 
 /// One missing-page fault.
@@ -108,6 +116,8 @@ struct Latencies {
 
 /// Guest memory registered for missing-page faults.
 pub struct PageFaults {
+    /// Keeps the mapping alive while faults may be served.
+    _memory: std::sync::Arc<GuestMemory>,
     uffd: Uffd,
     /// Host address of guest page 0, and the pages of the mapping.
     base: usize,
@@ -118,7 +128,7 @@ pub struct PageFaults {
 impl PageFaults {
     /// Registers all of `mem` in missing mode. Pages already backed stay
     /// present; every other page faults on first access until installed.
-    pub fn register(mem: &GuestMemory) -> Result<PageFaults, FaultError> {
+    pub fn register(mem: &std::sync::Arc<GuestMemory>) -> Result<PageFaults, FaultError> {
         let (base, len) = memory::single_mapping(mem).ok_or(FaultError::NotOneMapping)?;
         let uffd = UffdBuilder::new()
             .close_on_exec(true)
@@ -128,7 +138,13 @@ impl PageFaults {
             .create()
             .map_err(|e| FaultError::Unavailable(e.to_string()))?;
         uffd.register(base.cast_mut().cast(), len).map_err(op("UFFDIO_REGISTER"))?;
-        Ok(PageFaults { uffd, base: base as usize, pages: (len / PAGE_SIZE) as u64, latencies: Mutex::default() })
+        Ok(PageFaults {
+            _memory: mem.clone(),
+            uffd,
+            base: base as usize,
+            pages: (len / PAGE_SIZE) as u64,
+            latencies: Mutex::default(),
+        })
     }
 
     /// Pages of the registered memory.

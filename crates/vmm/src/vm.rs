@@ -384,6 +384,20 @@ impl Vm {
         Ok(())
     }
 
+    /// Copies KVM's dirty log into `bitmap` without taking anything: with
+    /// manual protect its bits stay set until cleared (then true); without,
+    /// reading would clear them, so it does not look (false).
+    pub fn peek_dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<bool, VmError> {
+        if !self.manual_dirty_protect || !self.dirty_logging.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(false);
+        }
+        if bitmap.pages() != memory::page_count(&self.memory) {
+            return Err(VmError::WrongState("given a dirty bitmap of the wrong size"));
+        }
+        dirty::get_dirty_log(&self.fd, 0, bitmap.words_mut()).map_err(|e| VmError::Ioctl("KVM_GET_DIRTY_LOG", e))?;
+        Ok(true)
+    }
+
     /// Clears the dirty bits in `mask` for the pages from `first_page` (a
     /// multiple of 64) on, write-protecting them again. Call it right
     /// before reading those pages, so a racing write is logged anew.

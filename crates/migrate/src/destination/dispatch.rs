@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::error::ReceiveError;
+use super::postcopy::PostcopyShared;
 use crate::buffer_budget::{recycle, BufferBudget, Lease};
 use crate::protocol::pages::shard_of;
 use crate::protocol::{self, ChannelOpen, FrameKind, IterationEnd, ShardLayout, WireError};
@@ -125,6 +126,8 @@ pub(super) struct Shared {
     pub(super) stopped: Arc<AtomicBool>,
     /// The frame bytes every channel and decoder hold together.
     pub(super) budget: Arc<BufferBudget>,
+    /// Set when the source switched to post-copy: where post-copy pages go.
+    pub(super) postcopy: std::sync::OnceLock<Arc<PostcopyShared>>,
 }
 
 impl Shared {
@@ -218,6 +221,10 @@ pub(super) fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<Atom
     loop {
         let result = match frame.read(&mut reader) {
             Ok(kind) if kind.carries_pages() => dispatch.pages(kind, &mut frame),
+            Ok(FrameKind::PostcopyPages) => match shared.postcopy.get() {
+                Some(postcopy) => postcopy.install_frame(&frame.buf),
+                None => Err(WireError::Unexpected { got: FrameKind::PostcopyPages, expected: "PAGES" }.into()),
+            },
             Ok(FrameKind::IterationEnd) => dispatch.end(&frame.buf).map(|_| ()),
             Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),
             Err(_) if shared.done.load(Ordering::Acquire) => return,

@@ -37,6 +37,9 @@ pub enum ReceiveError {
     /// The VM state blob did not decode.
     #[error("VM state frame does not decode: {0}")]
     BadState(String),
+    /// The post-copy phase failed: the VM ran here without all its pages.
+    #[error("post-copy: {0}")]
+    Postcopy(String),
     /// An extra channel failed.
     #[error("channel {channel}: {source}")]
     Channel {

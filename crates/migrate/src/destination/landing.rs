@@ -16,6 +16,11 @@ pub trait Landing {
     fn restore(&mut self, state: &[u8]) -> Result<(), ReceiveError>;
     /// Runs the guest: the source has committed.
     fn start(&mut self) -> Result<(), ReceiveError>;
+    /// Runs the guest before all its memory is here (post-copy): no huge
+    /// pages yet (they come once every page is in).
+    fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
+        self.start()
+    }
 }
 
 /// Lands the VM in a KVM VM.
@@ -53,6 +58,10 @@ impl Landing for VmLanding {
             tsubame_vmm::memory::advise_hugepages(vm.memory());
         }
         Ok(vm.start(false)?)
+    }
+
+    fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
+        Ok(self.vm.as_mut().expect("created first").start(false)?)
     }
 }
 

@@ -12,11 +12,12 @@ mod dispatch;
 mod error;
 pub mod landing;
 mod options;
+pub mod postcopy;
 mod receiver;
 
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tsubame_vmm::Vm;
@@ -24,9 +25,11 @@ use tsubame_vmm::Vm;
 pub use error::ReceiveError;
 pub use landing::{Landing, MemoryLanding};
 pub use options::ReceiveOptions;
+pub use postcopy::{PostcopyHandle, PostcopyOutcome};
 
 use self::dispatch::{ChannelSource, Counted};
 use self::landing::VmLanding;
+use self::postcopy::BackChannel;
 use self::receiver::StreamReceiver;
 use crate::protocol::{self, ErrorMessage, FrameKind, Resumed};
 use crate::stats::process_cpu_seconds;
@@ -44,6 +47,9 @@ pub struct Incoming {
     pub cpu_seconds: f64,
     /// Connection to resume.
     pub duration: Duration,
+    /// Post-copy: the VM runs while the rest of its memory arrives; wait
+    /// on this (if it fails, the VM is lost: it cannot go on).
+    pub postcopy: Option<PostcopyHandle>,
 }
 
 /// Accepts one connection and receives a VM over it (and over the extra
@@ -70,11 +76,12 @@ pub fn receive_on(
         bytes: received.bytes,
         cpu_seconds: received.cpu_seconds,
         duration: received.duration,
+        postcopy: received.postcopy,
     })
 }
 
 /// What a receive cost.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Received {
     /// Iterations received (stop-and-copy included).
     pub iterations: u32,
@@ -84,6 +91,8 @@ pub struct Received {
     pub cpu_seconds: f64,
     /// Connection to resume.
     pub duration: Duration,
+    /// The post-copy phase, when the source switched to it.
+    pub postcopy: Option<PostcopyHandle>,
 }
 
 /// Receives over an accepted connection into `landing` (a VM, or plain
@@ -98,29 +107,32 @@ pub fn receive_into(
     let started = Instant::now();
     let cpu_start = process_cpu_seconds();
     stream.set_read_timeout(Some(options.io_timeout))?;
-    let mut writer = stream.try_clone()?;
+    let writer: BackChannel = Arc::new(Mutex::new(Box::new(stream.try_clone()?)));
     let bytes = Arc::new(AtomicU64::new(0));
-    let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream.try_clone()?), bytes: bytes.clone() };
+    let reader = Counted { inner: BufReader::with_capacity(1 << 20, stream.try_clone()?), bytes: bytes.clone() };
     let channels = ChannelSource { listener, first: stream, bytes: bytes.clone() };
-    let result = StreamReceiver::new(options, log).run(&mut reader, &mut writer, landing, Some(&channels));
+    let result = StreamReceiver::new(options, log).run(Box::new(reader), &writer, landing, Some(&channels));
+    let mut w = writer.lock().unwrap();
     match result {
-        Ok(iterations) => {
+        Ok(outcome) => {
             let cpu = process_cpu_seconds() - cpu_start;
-            // Tell the source we run, and what it cost us.
-            let resumed = Resumed { cpu_micros: (cpu * 1e6) as u64 };
-            let _ =
-                protocol::write_frame(&mut writer, FrameKind::Resumed, &resumed.encode()).and_then(|_| writer.flush());
+            if outcome.postcopy.is_none() {
+                // Tell the source we run, and what it cost us.
+                let resumed = Resumed { cpu_micros: (cpu * 1e6) as u64 };
+                let _ = protocol::write_frame(&mut *w, FrameKind::Resumed, &resumed.encode()).and_then(|_| w.flush());
+            }
             Ok(Received {
-                iterations,
+                iterations: outcome.iterations,
                 bytes: bytes.load(Ordering::Relaxed),
                 cpu_seconds: cpu,
                 duration: started.elapsed(),
+                postcopy: outcome.postcopy,
             })
         }
         Err(e) => {
             if !matches!(e, ReceiveError::SourceAborted(_)) {
                 let payload = ErrorMessage(e.to_string()).encode();
-                let _ = protocol::write_frame(&mut writer, FrameKind::Error, &payload).and_then(|_| writer.flush());
+                let _ = protocol::write_frame(&mut *w, FrameKind::Error, &payload).and_then(|_| w.flush());
             }
             Err(e)
         }
@@ -128,12 +140,18 @@ pub fn receive_into(
 }
 
 /// Runs the receiver's state machine over one byte stream into `landing`
-/// (no extra channels): the fuzz target's entry, and tests'.
+/// (no extra channels): the fuzz target's entry, and tests'. A post-copy
+/// phase, if the stream switches to one, is waited for.
 pub fn receive_stream(
-    reader: &mut impl Read,
-    writer: &mut impl Write,
+    reader: impl Read + Send + 'static,
+    writer: impl Write + Send + 'static,
     landing: &mut dyn Landing,
     options: &ReceiveOptions,
 ) -> Result<u32, ReceiveError> {
-    StreamReceiver::new(options, &|_| {}).run(reader, writer, landing, None)
+    let writer: BackChannel = Arc::new(Mutex::new(Box::new(writer)));
+    let outcome = StreamReceiver::new(options, &|_| {}).run(Box::new(reader), &writer, landing, None)?;
+    if let Some(postcopy) = outcome.postcopy {
+        postcopy.wait()?;
+    }
+    Ok(outcome.iterations)
 }

@@ -16,13 +16,16 @@ use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, Shar
 use super::error::ReceiveError;
 use super::landing::Landing;
 use super::options::ReceiveOptions;
+use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared};
 use crate::buffer_budget::BufferBudget;
 use crate::digest::BackgroundDigest;
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
-    self, shard_codecs, Digest, ErrorMessage, FrameKind, Hello, Mismatch, ReceiverState, ShardLayout, WireError,
-    MAX_REPAIR_ROUNDS,
+    self, shard_codecs, Digest, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning, PostcopyStart,
+    ReceiverState, ShardLayout, WireError, MAX_REPAIR_ROUNDS,
 };
+use crate::stats::process_cpu_seconds;
+use crate::transport::Stream;
 
 /// Frame buffers each channel keeps in flight.
 const BUFFERS_PER_CHANNEL: usize = 8;
@@ -34,6 +37,8 @@ pub(super) struct StreamReceiver<'a> {
     frame: LeasedFrame,
     state: ReceiverState,
     iterations: u32,
+    /// This process's CPU time when the connection came.
+    cpu_start: f64,
 }
 
 /// The threads and tables of a migration being received.
@@ -43,6 +48,35 @@ struct Session {
     main: Dispatcher,
     readers: Vec<std::thread::JoinHandle<()>>,
     workers: Vec<std::thread::JoinHandle<()>>,
+    /// The post-copy request connection, when the source may switch.
+    urgent: Option<Stream>,
+}
+
+/// How pre-copy's memory phase ended.
+enum MemoryEnd {
+    /// STATE arrived and the memory verified: the VM's state.
+    State(Vec<u8>),
+    /// The source switched to post-copy.
+    Postcopy(PostcopyStart),
+}
+
+/// What a receive ended with.
+pub(super) struct Outcome {
+    /// Iterations received.
+    pub(super) iterations: u32,
+    /// The post-copy phase, when the source switched to it.
+    pub(super) postcopy: Option<PostcopyHandle>,
+}
+
+/// Writes to the back channel and flushes it.
+fn write_flushed(
+    writer: &BackChannel,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), ReceiveError> {
+    let mut w = writer.lock().unwrap();
+    write(&mut *w)?;
+    w.flush()?;
+    Ok(())
 }
 
 impl<'a> StreamReceiver<'a> {
@@ -54,6 +88,7 @@ impl<'a> StreamReceiver<'a> {
             frame: LeasedFrame::new(budget, Arc::default()),
             state: ReceiverState::Hello,
             iterations: 0,
+            cpu_start: process_cpu_seconds(),
         }
     }
 
@@ -68,26 +103,29 @@ impl<'a> StreamReceiver<'a> {
         Ok(kind)
     }
 
-    /// Runs the exchange to COMMIT; returns the iterations received.
+    /// Runs the exchange to COMMIT, or to the switch to post-copy (then
+    /// the VM runs here and the returned handle follows the rest).
     pub(super) fn run(
         mut self,
-        reader: &mut impl Read,
-        writer: &mut impl Write,
+        mut reader: Box<dyn Read + Send>,
+        writer: &BackChannel,
         landing: &mut dyn Landing,
         channels: Option<&ChannelSource>,
-    ) -> Result<u32, ReceiveError> {
-        protocol::write_preamble(writer, protocol::VERSION)?;
-        protocol::read_preamble(reader)?;
-        self.next(reader)?;
+    ) -> Result<Outcome, ReceiveError> {
+        write_flushed(writer, |w| protocol::write_preamble(w, protocol::VERSION))?;
+        protocol::read_preamble(&mut reader)?;
+        self.next(&mut reader)?;
         let hello = Hello::decode(&self.frame.buf)?;
         let session = self.accept(&hello, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
         // Hashed in the background as pages land, so that after STATE only
         // the last pages need hashing before READY.
         let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region);
-        let result = self.receive_memory(reader, writer, &session, &digest);
+        let result = self.receive_memory(&mut reader, writer, &session, &digest);
+        // Post-copy starts from the hash of every page held now.
+        let held = matches!(result, Ok(MemoryEnd::Postcopy(_))).then(|| digest.page_hashes());
         drop(digest);
-        let Session { shared, main, readers, mut workers, .. } = session;
+        let Session { mem, shared, main, readers, mut workers, urgent } = session;
         shared.done.store(true, Ordering::Release);
         drop(main);
         if readers.is_empty() {
@@ -96,8 +134,8 @@ impl<'a> StreamReceiver<'a> {
                 let _ = w.join();
             }
         }
-        let state = match result {
-            Ok(state) => state,
+        let end = match result {
+            Ok(end) => end,
             Err(e) => {
                 shared.fail(ReceiveError::ThreadStopped);
                 for r in readers {
@@ -115,17 +153,39 @@ impl<'a> StreamReceiver<'a> {
         // closes its channels; nothing waits for that.
         drop(readers);
         drop(workers);
-        landing.restore(&state)?;
-        protocol::write_frame(writer, FrameKind::Ready, &[])?;
-        writer.flush()?;
-        self.state = ReceiverState::Ready;
-        (self.log)("memory verified; ready, waiting for commit");
-        self.next(reader)?;
-        expect_empty(FrameKind::Commit, &self.frame.buf)?;
-        landing.start()?;
-        self.state = ReceiverState::Committed;
-        (self.log)("committed; the VM runs here now");
-        Ok(self.iterations)
+        match end {
+            MemoryEnd::State(state) => {
+                landing.restore(&state)?;
+                write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Ready, &[]))?;
+                self.state = ReceiverState::Ready;
+                (self.log)("memory verified; ready, waiting for commit");
+                self.next(&mut reader)?;
+                expect_empty(FrameKind::Commit, &self.frame.buf)?;
+                landing.start()?;
+                self.state = ReceiverState::Committed;
+                (self.log)("committed; the VM runs here now");
+                Ok(Outcome { iterations: self.iterations, postcopy: None })
+            }
+            MemoryEnd::Postcopy(start) => {
+                self.state = ReceiverState::Switching;
+                self.next(&mut reader)?;
+                let state = std::mem::take(&mut self.frame.buf);
+                let held = held.expect("hashed for post-copy");
+                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone())?;
+                let _ = shared.postcopy.set(postcopy.clone());
+                landing.restore(&state)?;
+                landing.start_postcopy()?;
+                let running = PostcopyRunning { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
+                write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()))?;
+                self.state = ReceiverState::Postcopy;
+                (self.log)(&format!(
+                    "post-copy: the VM runs here; {} pages to come from the source",
+                    start.missing.count()
+                ));
+                let handle = postcopy::run(postcopy, reader, urgent, hello.digest_region);
+                Ok(Outcome { iterations: self.iterations, postcopy: Some(handle) })
+            }
+        }
     }
 
     /// Checks HELLO, creates the landing, says ACCEPT, accepts the extra
@@ -133,7 +193,7 @@ impl<'a> StreamReceiver<'a> {
     fn accept(
         &mut self,
         hello: &Hello,
-        writer: &mut impl Write,
+        writer: &BackChannel,
         landing: &mut dyn Landing,
         channels: Option<&ChannelSource>,
     ) -> Result<Session, ReceiveError> {
@@ -149,26 +209,30 @@ impl<'a> StreamReceiver<'a> {
             .codecs
             .parse()
             .map_err(|e| ReceiveError::Mismatch(format!("source's codecs '{}': {e}", hello.codecs)))?;
-        if hello.channels > 1 && channels.is_none_or(|c| c.listener.is_none()) {
+        if hello.extra_connections() > 0 && channels.is_none_or(|c| c.listener.is_none()) {
             return Err(ReceiveError::Mismatch(format!(
-                "the source wants {} channels; this receiver takes one",
-                hello.channels
+                "the source wants {} connections; this receiver takes one",
+                hello.extra_connections() + 1
             )));
         }
         let mem = landing.create(hello.memory_bytes)?;
-        protocol::write_frame(writer, FrameKind::Accept, &[])?;
-        writer.flush()?;
+        write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Accept, &[]))?;
         (self.log)(&format!(
             "receiving a VM with {} MiB of memory over {} channel(s)",
             hello.memory_bytes >> 20,
             hello.channels
         ));
-        let extra = match channels {
-            Some(source) => {
-                source.accept(hello.session, hello.channels, self.options.io_timeout, &self.options.security)?
-            }
+        let mut extra = match channels {
+            Some(source) => source.accept(
+                hello.session,
+                hello.extra_connections() + 1,
+                self.options.io_timeout,
+                &self.options.security,
+            )?,
             None => Vec::new(),
         };
+        // The post-copy request connection comes after the data channels.
+        let urgent = if hello.postcopy() { extra.pop() } else { None };
 
         let shared = Arc::new(Shared {
             applied: Mutex::new(vec![0; hello.shards as usize]),
@@ -178,6 +242,7 @@ impl<'a> StreamReceiver<'a> {
             done: AtomicBool::new(false),
             stopped: self.frame.stopped.clone(),
             budget: self.frame.budget.clone(),
+            postcopy: Default::default(),
         });
         if let Some(source) = channels {
             shared.streams.lock().unwrap().push(source.first.try_clone()?);
@@ -226,7 +291,7 @@ impl<'a> StreamReceiver<'a> {
             );
         }
         let main = dispatcher(0);
-        Ok(Session { mem, shared, main, readers, workers })
+        Ok(Session { mem, shared, main, readers, workers, urgent })
     }
 
     /// Pages until STATE, then the digest check and repair passes; returns
@@ -234,10 +299,10 @@ impl<'a> StreamReceiver<'a> {
     fn receive_memory(
         &mut self,
         reader: &mut impl Read,
-        writer: &mut impl Write,
+        writer: &BackChannel,
         session: &Session,
         digest: &BackgroundDigest,
-    ) -> Result<Vec<u8>, ReceiveError> {
+    ) -> Result<MemoryEnd, ReceiveError> {
         let Session { mem, shared, main, .. } = session;
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
@@ -249,6 +314,15 @@ impl<'a> StreamReceiver<'a> {
                     digest.mark(memory::take_vmm_dirty(mem));
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
+                FrameKind::Postcopy => {
+                    let start = PostcopyStart::decode(&self.frame.buf, memory::page_count(mem))?;
+                    if let Some(last) = start.last_iteration {
+                        // Every channel's pages of it are applied first.
+                        shared.wait_applied(last)?;
+                    }
+                    digest.mark(memory::take_vmm_dirty(mem));
+                    return Ok(MemoryEnd::Postcopy(start));
+                }
                 kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
             }
         };
@@ -280,8 +354,7 @@ impl<'a> StreamReceiver<'a> {
             rounds += 1;
             (self.log)(&format!("memory differs in {} regions; asking for them again", mismatched.len()));
             let regions = mismatched.iter().map(|&r| r as u32).collect();
-            protocol::write_frame(writer, FrameKind::Mismatch, &Mismatch { regions }.encode())?;
-            writer.flush()?;
+            write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Mismatch, &Mismatch { regions }.encode()))?;
             self.state = ReceiverState::Repairing;
             loop {
                 match self.next(reader).map_err(with_failure)? {
@@ -294,6 +367,6 @@ impl<'a> StreamReceiver<'a> {
             digest.mark(memory::take_vmm_dirty(mem));
             ours = digest.hashes();
         }
-        Ok(state)
+        Ok(MemoryEnd::State(state))
     }
 }

@@ -6,8 +6,9 @@
 pub const MAGIC: [u8; 8] = *b"TSBMIGR\0";
 /// First 8 bytes of a secure handshake (docs/security.md).
 pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
-/// Version of this format; both ends must speak the same.
-pub const VERSION: u32 = 2;
+/// Version of this format; both ends must speak the same (3 added
+/// post-copy: HELLO's flags and the post-copy frames).
+pub const VERSION: u32 = 3;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -48,6 +49,23 @@ pub enum FrameKind {
     /// pages (the kernel reads them after the CRC is made; the memory
     /// digest checks them).
     PagesZeroCopy = 14,
+    /// Post-copy starts: the source paused its VM; the pages the
+    /// destination lacks follow, then STATE, and the destination runs the
+    /// VM without them.
+    Postcopy = 15,
+    /// The destination runs the VM (post-copy): the source never may again.
+    PostcopyRunning = 16,
+    /// Pages a guest faulted on at the destination: send these first.
+    PageRequest = 17,
+    /// Post-copy pages: a PAGES payload of raw and zero records only, to
+    /// be installed by whichever channel carries it.
+    PostcopyPages = 18,
+    /// The destination holds every page; how the digest compared.
+    PostcopyDone = 19,
+    /// First frame of a reconnection after a cut post-copy link.
+    Resume = 20,
+    /// The destination knows the session: the pages it still lacks.
+    ResumeAck = 21,
 }
 
 impl FrameKind {
@@ -69,6 +87,13 @@ impl FrameKind {
             12 => PagesCompressed,
             13 => Channel,
             14 => PagesZeroCopy,
+            15 => Postcopy,
+            16 => PostcopyRunning,
+            17 => PageRequest,
+            18 => PostcopyPages,
+            19 => PostcopyDone,
+            20 => Resume,
+            21 => ResumeAck,
             _ => return None,
         })
     }

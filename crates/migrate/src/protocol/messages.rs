@@ -3,6 +3,8 @@
 //! bytes are hostile until proven otherwise.
 
 use super::fields::{put_string, Fields};
+use tsubame_vmm::DirtyBitmap;
+
 use super::kind::{FrameKind, WireError};
 use super::limits::{check_granularity, MAX_CHANNELS, MAX_SHARDS};
 
@@ -35,6 +37,25 @@ pub struct Hello {
     /// Codec shards: pages are split by index into this many streams,
     /// each with its own codec caches, each on one channel.
     pub shards: u16,
+    /// [`HELLO_POSTCOPY`] and future bits.
+    pub flags: u16,
+}
+
+/// HELLO flag: the source may switch to post-copy; it opens one more
+/// connection after the data channels, for the pages a destination asks
+/// for (CHANNEL `channels`).
+pub const HELLO_POSTCOPY: u16 = 1;
+
+impl Hello {
+    /// True when the source may switch to post-copy.
+    pub fn postcopy(&self) -> bool {
+        self.flags & HELLO_POSTCOPY != 0
+    }
+
+    /// Connections the destination accepts after channel 0.
+    pub fn extra_connections(&self) -> u16 {
+        self.channels - 1 + u16::from(self.postcopy())
+    }
 }
 
 impl Hello {
@@ -50,6 +71,7 @@ impl Hello {
         out.extend_from_slice(&self.session.to_le_bytes());
         out.extend_from_slice(&self.channels.to_le_bytes());
         out.extend_from_slice(&self.shards.to_le_bytes());
+        out.extend_from_slice(&self.flags.to_le_bytes());
         out
     }
 
@@ -66,6 +88,7 @@ impl Hello {
             session: f.u64()?,
             channels: f.u16()?,
             shards: f.u16()?,
+            flags: f.u16()?,
         };
         f.finish()?;
         let bad = |field, detail: String| Err(WireError::bad(field, detail));
@@ -91,6 +114,9 @@ impl Hello {
         }
         if !(1..=MAX_SHARDS).contains(&hello.shards) || hello.shards < hello.channels {
             return bad("hello.shards", format!("{} (channels to {MAX_SHARDS})", hello.shards));
+        }
+        if hello.flags & !HELLO_POSTCOPY != 0 {
+            return bad("hello.flags", format!("{:#x} (unknown bits)", hello.flags));
         }
         Ok(hello)
     }
@@ -281,6 +307,226 @@ impl Mismatch {
     }
 }
 
+/// POSTCOPY: the source paused its VM and stops pre-copy; the destination
+/// discards the pages it lacks or holds stale, runs the VM without them,
+/// and is sent them (asked-for pages first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostcopyStart {
+    /// The last pre-copy iteration whose pages came before this frame on
+    /// every channel, if any did.
+    pub last_iteration: Option<u32>,
+    /// The pages the destination must not use: stale or never sent.
+    pub missing: DirtyBitmap,
+}
+
+impl PostcopyStart {
+    /// Serializes the payload: `last_iteration u32` (all ones: none), then
+    /// the bitmap (`pages u64`, one bit per page in u64 words).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(12 + self.missing.words().len() * 8);
+        out.extend_from_slice(&self.last_iteration.unwrap_or(u32::MAX).to_le_bytes());
+        put_bitmap(&mut out, &self.missing);
+        out
+    }
+
+    /// Parses a payload about memory of `pages` pages.
+    pub fn decode(payload: &[u8], pages: u64) -> Result<PostcopyStart, WireError> {
+        let mut f = Fields::new(FrameKind::Postcopy, payload);
+        let last = f.u32()?;
+        let missing = bitmap(&mut f, "postcopy.pages", pages)?;
+        f.finish()?;
+        Ok(PostcopyStart { last_iteration: (last != u32::MAX).then_some(last), missing })
+    }
+}
+
+/// RESUME_ACK: the pages the destination still lacks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeAck {
+    /// Pages still missing at the destination.
+    pub missing: DirtyBitmap,
+}
+
+impl ResumeAck {
+    /// Serializes the payload: the bitmap.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_bitmap(&mut out, &self.missing);
+        out
+    }
+
+    /// Parses a payload about memory of `pages` pages.
+    pub fn decode(payload: &[u8], pages: u64) -> Result<ResumeAck, WireError> {
+        let mut f = Fields::new(FrameKind::ResumeAck, payload);
+        let missing = bitmap(&mut f, "resume_ack.pages", pages)?;
+        f.finish()?;
+        Ok(ResumeAck { missing })
+    }
+}
+
+fn put_bitmap(out: &mut Vec<u8>, pages: &DirtyBitmap) {
+    out.extend_from_slice(&pages.pages().to_le_bytes());
+    for w in pages.words() {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+fn bitmap(f: &mut Fields, field: &'static str, pages: u64) -> Result<DirtyBitmap, WireError> {
+    let got = f.u64()?;
+    if got != pages {
+        return Err(WireError::bad(field, format!("{got}, memory has {pages}")));
+    }
+    let words = (0..pages.div_ceil(64)).map(|_| f.u64()).collect::<Result<Vec<_>, _>>()?;
+    Ok(DirtyBitmap::from_words(words, pages))
+}
+
+/// Most pages one PAGE_REQUEST names.
+pub const MAX_REQUEST: usize = 4096;
+
+/// PAGE_REQUEST: pages the guest faulted on at the destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageRequest {
+    /// Page indices, each below the page count.
+    pub pages: Vec<u64>,
+}
+
+impl PageRequest {
+    /// Serializes the payload: `count u32, page u64[count]`.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 + self.pages.len() * 8);
+        out.extend_from_slice(&(self.pages.len() as u32).to_le_bytes());
+        for p in &self.pages {
+            out.extend_from_slice(&p.to_le_bytes());
+        }
+        out
+    }
+
+    /// Parses a request about memory of `page_count` pages.
+    pub fn decode(payload: &[u8], page_count: u64) -> Result<PageRequest, WireError> {
+        let mut f = Fields::new(FrameKind::PageRequest, payload);
+        let count = f.u32()? as usize;
+        if count == 0 || count > MAX_REQUEST {
+            return Err(WireError::bad("page_request.count", format!("{count} (1 to {MAX_REQUEST})")));
+        }
+        let mut pages = Vec::with_capacity(count);
+        for _ in 0..count {
+            let p = f.u64()?;
+            if p >= page_count {
+                return Err(WireError::bad("page_request.page", format!("{p} of {page_count}")));
+            }
+            pages.push(p);
+        }
+        f.finish()?;
+        Ok(PageRequest { pages })
+    }
+}
+
+/// POSTCOPY_RUNNING: the destination runs the VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PostcopyRunning {
+    /// CPU time of the destination process from connection to resume, µs.
+    pub cpu_micros: u64,
+}
+
+impl PostcopyRunning {
+    /// Serializes the payload: `cpu_micros u64`.
+    pub fn encode(&self) -> [u8; 8] {
+        self.cpu_micros.to_le_bytes()
+    }
+
+    /// Parses the payload.
+    pub fn decode(payload: &[u8]) -> Result<PostcopyRunning, WireError> {
+        let mut f = Fields::new(FrameKind::PostcopyRunning, payload);
+        let running = PostcopyRunning { cpu_micros: f.u64()? };
+        f.finish()?;
+        Ok(running)
+    }
+}
+
+/// POSTCOPY_DONE: the destination holds every page; how its memory as
+/// received compared with the source's digest, and what faults cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PostcopyDone {
+    /// Digest regions that differed (0: verified).
+    pub mismatched: u32,
+    /// Faults the destination read.
+    pub faults: u64,
+    /// Pages it asked the source for.
+    pub requested: u64,
+    /// Fault service time, median, µs.
+    pub latency_p50_us: u64,
+    /// 99th percentile, µs.
+    pub latency_p99_us: u64,
+    /// Longest, µs.
+    pub latency_max_us: u64,
+    /// CPU time of the destination process during post-copy, µs.
+    pub cpu_micros: u64,
+    /// The guest's ops per second during post-copy, if the destination
+    /// could see its progress lines (0 otherwise).
+    pub guest_ops_per_sec: f64,
+}
+
+impl PostcopyDone {
+    /// Serializes the payload: `mismatched u32`, then six u64 and an f64.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(60);
+        out.extend_from_slice(&self.mismatched.to_le_bytes());
+        for v in [
+            self.faults,
+            self.requested,
+            self.latency_p50_us,
+            self.latency_p99_us,
+            self.latency_max_us,
+            self.cpu_micros,
+            self.guest_ops_per_sec.to_bits(),
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// Parses the payload.
+    pub fn decode(payload: &[u8]) -> Result<PostcopyDone, WireError> {
+        let mut f = Fields::new(FrameKind::PostcopyDone, payload);
+        let done = PostcopyDone {
+            mismatched: f.u32()?,
+            faults: f.u64()?,
+            requested: f.u64()?,
+            latency_p50_us: f.u64()?,
+            latency_p99_us: f.u64()?,
+            latency_max_us: f.u64()?,
+            cpu_micros: f.u64()?,
+            guest_ops_per_sec: f64::from_bits(f.u64()?),
+        };
+        f.finish()?;
+        Ok(done)
+    }
+}
+
+/// RESUME: a source reconnects to a cut post-copy migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    /// The migration's HELLO session.
+    pub session: u64,
+    /// Which connection this is: 0 carries control and pages; the
+    /// post-copy request connection is `channels` as at setup.
+    pub channel: u16,
+}
+
+impl Resume {
+    /// Serializes the payload: `session u64, channel u16`.
+    pub fn encode(&self) -> [u8; 10] {
+        ChannelOpen { session: self.session, channel: self.channel }.encode()
+    }
+
+    /// Parses the payload.
+    pub fn decode(payload: &[u8]) -> Result<Resume, WireError> {
+        let mut f = Fields::new(FrameKind::Resume, payload);
+        let resume = Resume { session: f.u64()?, channel: f.u16()? };
+        f.finish()?;
+        Ok(resume)
+    }
+}
+
 /// Checks that a frame which carries nothing (ACCEPT, READY, COMMIT) is empty.
 pub fn expect_empty(kind: FrameKind, payload: &[u8]) -> Result<(), WireError> {
     Fields::new(kind, payload).finish()
@@ -302,6 +548,7 @@ mod tests {
             session: 7,
             channels: 2,
             shards: 4,
+            flags: HELLO_POSTCOPY,
         };
         assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
         let bad = Hello { shards: 1, ..hello.clone() };

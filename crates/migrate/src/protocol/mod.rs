@@ -43,6 +43,9 @@ pub use frame::{
 };
 pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
 pub use limits::{check_granularity, MAX_CHANNELS, MAX_REPAIR_ROUNDS, MAX_SHARDS};
-pub use messages::{ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed};
+pub use messages::{
+    ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
+    PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY,
+};
 pub use shard::{shard_codecs, ShardLayout};
 pub use state::{ReceiverState, SourceState};

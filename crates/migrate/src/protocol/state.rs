@@ -12,6 +12,13 @@
 //!   Verifying ──READY──> Committing          Repairing ──PAGES, ITERATION_END──> Repairing
 //!   Committing ──RESUMED──> Completed        Repairing ──DIGEST──> Ready | Repairing
 //!   any ──error──> Failed                    Ready ──COMMIT──> Committed
+//!
+//! Post-copy (the source switches instead of stopping):
+//!   Iterating ──POSTCOPY, STATE──> Postcopy   Iterating ──POSTCOPY──> Switching
+//!   Postcopy ──PAGE_REQUEST*──> Postcopy      Switching ──STATE──> Postcopy (runs the VM)
+//!   Postcopy ──(link cut)──> PostcopyPaused   Postcopy ──POSTCOPY_PAGES*, DIGEST──> Postcopy
+//!   PostcopyPaused ──RESUME_ACK──> Postcopy   Postcopy ──(every page held)──> Committed
+//!   Postcopy ──POSTCOPY_DONE──> Completed
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -39,6 +46,13 @@ pub enum SourceState {
     /// COMMIT is out: only the destination may run the VM now.
     #[serde(rename = "committing")]
     Committing,
+    /// POSTCOPY is out: the destination runs the VM and is sent the pages
+    /// it lacks, asked-for pages first; the VM never runs here again.
+    #[serde(rename = "postcopy")]
+    Postcopy,
+    /// The post-copy link was cut: both ends wait for it to come back.
+    #[serde(rename = "postcopy-paused")]
+    PostcopyPaused,
     /// The destination runs the VM.
     #[serde(rename = "completed")]
     Completed,
@@ -57,6 +71,8 @@ impl SourceState {
                 | (SourceState::Setup, Accept)
                 | (SourceState::StopAndCopy, Ready | Mismatch)
                 | (SourceState::Committing, Resumed)
+                | (SourceState::Postcopy, PostcopyRunning | PageRequest | PostcopyDone)
+                | (SourceState::PostcopyPaused, ResumeAck)
         )
     }
 
@@ -66,6 +82,8 @@ impl SourceState {
             SourceState::Setup => "ACCEPT",
             SourceState::StopAndCopy => "READY or MISMATCH",
             SourceState::Committing => "RESUMED",
+            SourceState::Postcopy => "POSTCOPY_RUNNING, PAGE_REQUEST or POSTCOPY_DONE",
+            SourceState::PostcopyPaused => "RESUME_ACK",
             _ => "nothing from the destination",
         }
     }
@@ -93,7 +111,11 @@ pub enum ReceiverState {
     Repairing,
     /// READY went out: waiting for COMMIT.
     Ready,
-    /// COMMIT arrived: the VM runs here.
+    /// POSTCOPY arrived: STATE comes next, then the VM runs here.
+    Switching,
+    /// Post-copy: the VM runs here while its missing pages arrive.
+    Postcopy,
+    /// COMMIT arrived (or post-copy holds every page): the VM runs here.
     Committed,
 }
 
@@ -106,11 +128,13 @@ impl ReceiverState {
         kind == Error
             || match self {
                 R::Hello => kind == Hello,
-                R::Iterating => kind.carries_pages() || matches!(kind, IterationEnd | State),
+                R::Iterating => kind.carries_pages() || matches!(kind, IterationEnd | State | Postcopy),
                 R::AwaitDigest => kind == Digest,
                 // Repairs go out whole and plain (never compressed).
                 R::Repairing => matches!(kind, Pages | IterationEnd | Digest),
                 R::Ready => kind == Commit,
+                R::Switching => kind == State,
+                R::Postcopy => matches!(kind, PostcopyPages | Digest),
                 R::Committed => false,
             }
     }
@@ -119,10 +143,12 @@ impl ReceiverState {
     pub fn expects(self) -> &'static str {
         match self {
             ReceiverState::Hello => "HELLO",
-            ReceiverState::Iterating => "PAGES, ITERATION_END or STATE",
+            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE or POSTCOPY",
             ReceiverState::AwaitDigest => "DIGEST",
             ReceiverState::Repairing => "PAGES or DIGEST",
             ReceiverState::Ready => "COMMIT",
+            ReceiverState::Switching => "STATE",
+            ReceiverState::Postcopy => "POSTCOPY_PAGES or DIGEST",
             ReceiverState::Committed => "nothing (the VM runs here)",
         }
     }
@@ -141,7 +167,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 14] = [
+    const ALL: [FrameKind; 21] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -156,6 +182,13 @@ mod tests {
         FrameKind::PagesCompressed,
         FrameKind::Channel,
         FrameKind::PagesZeroCopy,
+        FrameKind::Postcopy,
+        FrameKind::PostcopyRunning,
+        FrameKind::PageRequest,
+        FrameKind::PostcopyPages,
+        FrameKind::PostcopyDone,
+        FrameKind::Resume,
+        FrameKind::ResumeAck,
     ];
 
     #[test]
@@ -163,7 +196,8 @@ mod tests {
         use ReceiverState as R;
         let accepted = |s: R| ALL.iter().filter(|&&k| s.accepts(k)).count();
         assert_eq!(accepted(R::Hello), 2);
-        assert_eq!(accepted(R::Iterating), 6);
+        assert_eq!(accepted(R::Iterating), 7);
+        assert_eq!(accepted(R::Postcopy), 3);
         assert_eq!(accepted(R::Repairing), 4);
         assert_eq!(accepted(R::Committed), 1);
         assert!(R::Iterating.check(FrameKind::Commit).unwrap_err().to_string().contains("STATE"));
@@ -188,6 +222,8 @@ mod tests {
             SourceState::HashingBeforeStop,
             SourceState::StopAndCopy,
             SourceState::Committing,
+            SourceState::Postcopy,
+            SourceState::PostcopyPaused,
             SourceState::Completed,
             SourceState::Failed,
         ]
@@ -202,6 +238,8 @@ mod tests {
                 "\"hashing before the stop\"",
                 "\"stop-and-copy\"",
                 "\"committing\"",
+                "\"postcopy\"",
+                "\"postcopy-paused\"",
                 "\"completed\"",
                 "\"failed\""
             ]

@@ -330,9 +330,9 @@ impl Engine {
         self.pacer.bytes()
     }
 
-    /// Stops the threads; returns the encoders (for their counters) and
-    /// the per-stage statistics.
-    pub fn finish(self) -> (Vec<ShardEncoder>, PipelineStats) {
+    /// Stops the threads; returns the encoders (for their counters), the
+    /// per-stage statistics and the channels' writers.
+    pub fn finish(self) -> (Vec<ShardEncoder>, PipelineStats, Vec<Writer>) {
         let mut fetch = self.fetch;
         fetch.cpu_seconds = 0.0; // the migration thread's CPU is reported on its own
         let mut zero_copy = ZeroCopyStats::default();
@@ -372,7 +372,13 @@ impl Engine {
             stages: vec![fetch, encode, send],
             zero_copy: self.zero_copy.then_some(zero_copy),
         };
-        (encoders, stats)
+        // The stage threads are joined: each writer has one owner again.
+        let writers = self
+            .writers
+            .into_iter()
+            .filter_map(|w| Arc::try_unwrap(w).ok().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner())))
+            .collect();
+        (encoders, stats, writers)
     }
 }
 

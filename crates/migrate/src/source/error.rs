@@ -32,6 +32,14 @@ pub enum SourceError {
     /// The options contradict each other.
     #[error("{0}")]
     BadOptions(String),
+    /// Post-copy broke off: the VM ran at the destination without all its
+    /// pages, and this copy is stale.
+    #[error("post-copy failed ({0}): the VM is lost — it ran at the destination, which lacks pages only this paused copy holds; it is not resumed here")]
+    PostcopyLost(String),
+    /// The destination's memory, every page received, differs from the
+    /// source's.
+    #[error("post-copy: the destination's memory differs from the source's in {0} digest regions")]
+    PostcopyCorrupt(u32),
     /// COMMIT went out but the destination never confirmed.
     #[error("commit was sent but the destination did not confirm ({0}); the VM stays paused here and may be running at the destination — check it before resuming")]
     CommitUnconfirmed(String),

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod policy;
+mod postcopy;
 mod precopy;
 pub mod send;
 mod stop;
@@ -31,11 +32,14 @@ pub use vm::SourceVm;
 use self::encode::EncoderSetup;
 use self::engine::{Engine, EngineSetup};
 use self::policy::PrecopyPolicy;
+use self::precopy::PrecopyEnd;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
 use crate::digest;
-use crate::options::{MigrateOptions, ProgressCell};
-use crate::protocol::{self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError};
+use crate::options::{MigrateOptions, PostcopyMode, ProgressCell};
+use crate::protocol::{
+    self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError, HELLO_POSTCOPY,
+};
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, MigrationStats, Status};
 use crate::transport::{Address, Metered, Pacer, Stream};
 
@@ -63,6 +67,8 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         bandwidth: Arc::new(AtomicU64::new(0)),
         digest: None,
         policy: PrecopyPolicy::default(),
+        urgent: None,
+        pacer: None,
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -152,6 +158,10 @@ struct SourceRun<'a> {
     digest: Option<digest::BackgroundDigest>,
     /// When to stop iterating.
     policy: PrecopyPolicy,
+    /// The connection kept for the pages a post-copy destination asks for.
+    urgent: Option<Stream>,
+    /// The data channels' shared pacer.
+    pacer: Option<Arc<Pacer>>,
 }
 
 impl SourceRun<'_> {
@@ -164,7 +174,10 @@ impl SourceRun<'_> {
     /// True once COMMIT went out: from then on only the destination may
     /// run the VM.
     fn committed(&self) -> bool {
-        matches!(self.state, SourceState::Committing | SourceState::Completed)
+        matches!(
+            self.state,
+            SourceState::Committing | SourceState::Completed | SourceState::Postcopy | SourceState::PostcopyPaused
+        )
     }
 
     fn run(&mut self, to: &Address) -> Result<(), SourceError> {
@@ -184,6 +197,7 @@ impl SourceRun<'_> {
         let layout =
             ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
         let pacer = Pacer::new(options.max_bandwidth);
+        self.pacer = Some(pacer.clone());
         let writers = self.connect(to, layout, &pacer)?;
         self.stats.setup_time_ms = ms(self.start.elapsed());
 
@@ -200,8 +214,10 @@ impl SourceRun<'_> {
         self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer)?);
 
         self.enter(SourceState::Iterating);
-        self.precopy()?;
-        self.stop_and_copy()
+        match self.precopy()? {
+            PrecopyEnd::StopAndCopy => self.stop_and_copy(),
+            PrecopyEnd::Postcopy { missing, last_iteration } => self.postcopy(missing, last_iteration),
+        }
     }
 
     /// Connects every channel: the handshake, HELLO and ACCEPT on channel 0,
@@ -227,6 +243,7 @@ impl SourceRun<'_> {
             session,
             channels: layout.channels,
             shards: layout.shards,
+            flags: if options.postcopy == PostcopyMode::Off { 0 } else { HELLO_POSTCOPY },
         };
         write_frame_flushed(&mut writer, FrameKind::Hello, &hello.encode())?;
         let kind = protocol::read_frame(reader, &mut frame)?;
@@ -238,13 +255,13 @@ impl SourceRun<'_> {
         // them only after its ACCEPT.
         let mut writers = vec![writer];
         for channel in 1..layout.channels {
-            let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
-            stream.set_read_timeout(Some(options.io_timeout))?;
-            let mut w: Writer = BufWriter::with_capacity(1 << 20, Metered::new(stream.try_clone()?, pacer.clone()));
-            protocol::write_preamble(&mut w, protocol::VERSION)?;
-            write_frame_flushed(&mut w, FrameKind::Channel, &ChannelOpen { session, channel }.encode())?;
-            protocol::read_preamble(&mut std::io::BufReader::new(stream))?;
-            writers.push(w);
+            let stream = self.open_channel(to, session, channel)?;
+            writers.push(BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer.clone())));
+        }
+        if options.postcopy != PostcopyMode::Off {
+            // Asked-for post-copy pages pass the background push on a
+            // connection of their own, unpaced.
+            self.urgent = Some(self.open_channel(to, session, layout.channels)?);
         }
         if options.zero_copy {
             if GuestPages::of(self.vm.memory()).is_none() {
@@ -264,6 +281,18 @@ impl SourceRun<'_> {
         Ok(writers)
     }
 
+    /// Connects channel `channel` of `session`.
+    fn open_channel(&self, to: &Address, session: u64, channel: u16) -> Result<Stream, SourceError> {
+        let options = self.options;
+        let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
+        stream.set_read_timeout(Some(options.io_timeout))?;
+        let mut w = stream.try_clone()?;
+        protocol::write_preamble(&mut w, protocol::VERSION)?;
+        write_frame_flushed(&mut w, FrameKind::Channel, &ChannelOpen { session, channel }.encode())?;
+        protocol::read_preamble(&mut std::io::BufReader::new(stream.try_clone()?))?;
+        Ok(stream)
+    }
+
     fn engine_setup(&self) -> EngineSetup {
         EngineSetup {
             pipelined: self.options.pipeline,
@@ -276,11 +305,12 @@ impl SourceRun<'_> {
         self.engine.as_mut().expect("engine runs while migrating")
     }
 
-    /// Stops the pipeline's threads and takes their counters.
-    fn finish_engine(&mut self) {
-        let Some(engine) = self.engine.take() else { return };
+    /// Stops the pipeline's threads and takes their counters; returns the
+    /// channels' writers.
+    fn finish_engine(&mut self) -> Vec<Writer> {
+        let Some(engine) = self.engine.take() else { return Vec::new() };
         self.stats.bytes_on_wire = engine.bytes();
-        let (encoders, pipeline) = engine.finish();
+        let (encoders, pipeline, writers) = engine.finish();
         for encoder in &encoders {
             self.stats.pages_zero += encoder.zero_pages;
             for (name, s) in encoder.codec_stats().iter() {
@@ -297,6 +327,7 @@ impl SourceRun<'_> {
             sub.regions_repaired = self.stats.regions_repaired;
         }
         self.stats.pipeline = Some(pipeline);
+        writers
     }
 
     /// After a broken connection: the destination's ERROR frame, if it

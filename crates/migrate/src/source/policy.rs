@@ -1,14 +1,16 @@
 //! When pre-copy stops iterating (Clark et al.; the limits of Xen and
 //! QEMU): once what is left should go out within the downtime limit, or
 //! after the iteration limit, or once three times memory went out. Also
-//! when auto-converge slows the guest.
+//! when auto-converge slows the guest, and when pre-copy hands over to
+//! post-copy (`--postcopy`): after N iterations, or (auto) once the guest
+//! dirties memory about as fast as the link carries it.
 
 use std::time::Duration;
 
 use tsubame_trace::auto_converge::AutoConverge;
-use tsubame_vmm::PAGE_SIZE;
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
-use crate::options::MigrateOptions;
+use crate::options::{MigrateOptions, PostcopyMode};
 use crate::protocol::pages::RECORD_HEADER;
 use crate::stats::{IterationStats, StopReason};
 
@@ -32,7 +34,13 @@ pub enum Decision {
     },
     /// Stop iterating, for this reason.
     Stop(StopReason),
+    /// Hand over to post-copy.
+    Postcopy,
 }
+
+/// Dirtying at this share of the link's rate or more is not converging:
+/// each iteration re-sends about as much as the last.
+const NOT_CONVERGING: f64 = 0.9;
 
 impl Default for PrecopyPolicy {
     fn default() -> Self {
@@ -89,8 +97,21 @@ impl PrecopyPolicy {
         } else {
             None
         };
-        if let Some(reason) = stop {
-            return Decision::Stop(reason);
+        match (stop, options.postcopy) {
+            (Some(reason), _) if reason.converged() => return Decision::Stop(reason),
+            (_, PostcopyMode::After(n)) if iterations >= n => return Decision::Postcopy,
+            (Some(_), PostcopyMode::Auto) => return Decision::Postcopy,
+            (Some(reason), _) => return Decision::Stop(reason),
+            (None, PostcopyMode::Auto) if it.index > 0 && it.duration_ms > 0.0 => {
+                // What the guest dirtied during the iteration, against what
+                // the link carried in the same time.
+                let dirtied = remaining as f64 * self.bytes_per_page;
+                let carried = self.bandwidth_for(options) * it.duration_ms / 1e3;
+                if dirtied >= NOT_CONVERGING * carried {
+                    return Decision::Postcopy;
+                }
+            }
+            _ => {}
         }
         let mut throttle = None;
         if options.auto_converge && it.index > 0 {
@@ -104,6 +125,85 @@ impl PrecopyPolicy {
     pub fn bandwidth_for(&self, options: &MigrateOptions) -> f64 {
         options.max_bandwidth.map_or(self.bandwidth, |cap| self.bandwidth.min(cap as f64)).max(1.0)
     }
+}
+
+/// How long a page must have been out before its re-dirtying counts.
+const EXPOSURE: Duration = Duration::from_secs(1);
+/// How often a long first iteration checks the guest's dirtying.
+const CHECK_EVERY: Duration = Duration::from_millis(250);
+
+/// Watches a first iteration that sends memory in a strided order (so the
+/// pages out so far sample all of memory evenly) for a guest that dirties
+/// memory about as fast as the link carries it: then waiting for the
+/// iteration to end only sends pages that will be stale again (auto
+/// post-copy hands over at once).
+pub struct HandoverWatch {
+    /// When each run of pages went out: (time, first page, pages).
+    sent: Vec<(std::time::Instant, u64, u64)>,
+    last_check: std::time::Instant,
+}
+
+impl HandoverWatch {
+    /// A watch from now.
+    pub fn new() -> HandoverWatch {
+        HandoverWatch { sent: Vec::new(), last_check: std::time::Instant::now() }
+    }
+
+    /// `pages` pages from `first` went out now (their dirty bits cleared).
+    pub fn sent(&mut self, first: u64, pages: u64) {
+        self.sent.push((std::time::Instant::now(), first, pages));
+    }
+
+    /// True when the pages out for about [`EXPOSURE`] show the guest
+    /// dirtying memory at [`NOT_CONVERGING`] of `link` bytes per second or
+    /// more. `dirty` is a fresh look at the dirty log (KVM's bits stay set
+    /// until cleared, so it shows what was written since each run went
+    /// out); `peek` fills it and returns false when it cannot look.
+    pub fn handover(
+        &mut self,
+        link: f64,
+        pages_total: u64,
+        dirty: &mut DirtyBitmap,
+        peek: impl FnOnce(&mut DirtyBitmap) -> bool,
+    ) -> bool {
+        let now = std::time::Instant::now();
+        if now - self.last_check < CHECK_EVERY || link <= 0.0 {
+            return false;
+        }
+        self.last_check = now;
+        // Runs out between one and two exposures ago (all older ones if
+        // those are too few to sample memory).
+        let window: Vec<_> = self.sent.iter().filter(|(at, ..)| now - *at >= EXPOSURE).collect();
+        let recent: Vec<_> = window.iter().filter(|(at, ..)| now - *at < 2 * EXPOSURE).copied().collect();
+        let sample = if recent.len() >= 8 { recent } else { window };
+        if sample.len() < 4 || !peek(dirty) {
+            return false;
+        }
+        let (mut pages, mut dirtied, mut exposure) = (0u64, 0u64, 0.0);
+        for &&(at, first, n) in &sample {
+            pages += n;
+            dirtied += (first..first + n).filter(|&p| dirty.get(p)).count() as u64;
+            exposure += (now - at).as_secs_f64() * n as f64;
+        }
+        let exposure = exposure / pages.max(1) as f64;
+        // The share of memory dirtied per second of exposure, of all memory.
+        let rate = dirtied as f64 / pages.max(1) as f64 * pages_total as f64 / exposure * PAGE_SIZE as f64;
+        rate >= NOT_CONVERGING * link
+    }
+}
+
+impl Default for HandoverWatch {
+    fn default() -> Self {
+        HandoverWatch::new()
+    }
+}
+
+/// The order in which a first iteration visits `chunks` runs of memory:
+/// every 16th first, then the ones after them, so that whatever went out
+/// so far samples all of memory evenly ([`HandoverWatch`]).
+pub fn strided(chunks: usize) -> impl Iterator<Item = usize> {
+    const STRIDE: usize = 16;
+    (0..STRIDE).flat_map(move |phase| (phase..chunks).step_by(STRIDE))
 }
 
 #[cfg(test)]
@@ -136,5 +236,60 @@ mod tests {
             policy.decide(&first, 8000, 2, 4 << 30, 1 << 30, &options),
             Decision::Stop(StopReason::Sent3xMemory)
         );
+    }
+
+    #[test]
+    fn strided_order_visits_every_chunk_once() {
+        let order: Vec<usize> = strided(40).collect();
+        assert_eq!(order.len(), 40);
+        assert_eq!(&order[..3], &[0, 16, 32]);
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..40).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn handover_when_sent_pages_are_dirtied_as_fast_as_the_link_carries() {
+        let mut watch = HandoverWatch::new();
+        let long_ago = std::time::Instant::now() - Duration::from_millis(1500);
+        // 16 runs of 1024 pages went out 1.5 s ago, from 64 Ki pages.
+        for i in 0..16 {
+            watch.sent.push((long_ago, i * 4096, 1024));
+        }
+        watch.last_check = long_ago;
+        let mut dirty = DirtyBitmap::new(65536);
+        // A quarter of each run dirtied again: 16 Ki pages of memory per
+        // 1.5 s, ~44 MB/s.
+        let mark = |d: &mut DirtyBitmap| {
+            for i in 0..16u64 {
+                for p in 0..256 {
+                    d.set(i * 4096 + p);
+                }
+            }
+            true
+        };
+        assert!(watch.handover(40e6, 65536, &mut dirty, mark), "44 MB/s against a 40 MB/s link");
+        watch.last_check = long_ago;
+        assert!(!watch.handover(100e6, 65536, &mut dirty, mark), "44 MB/s against 100 MB/s");
+        watch.last_check = long_ago;
+        assert!(!watch.handover(40e6, 65536, &mut dirty, |_| false), "no look at the log, no handover");
+    }
+
+    #[test]
+    fn postcopy_after_n_iterations_or_when_not_converging() {
+        let after = MigrateOptions { postcopy: PostcopyMode::After(2), ..MigrateOptions::default() };
+        let auto = MigrateOptions { postcopy: PostcopyMode::Auto, ..MigrateOptions::default() };
+        let mut policy = PrecopyPolicy::default();
+        let it = iteration(1, 10_000, 41_090_000, 410.9); // 100 MB/s
+        policy.observe(&it, &after);
+        // Converged is converged, whatever the mode.
+        assert_eq!(policy.decide(&it, 7000, 2, 0, 1 << 30, &after), Decision::Stop(StopReason::Converged));
+        assert_eq!(policy.decide(&it, 8000, 1, 0, 1 << 30, &after), Decision::Continue { throttle: None });
+        assert_eq!(policy.decide(&it, 8000, 2, 0, 1 << 30, &after), Decision::Postcopy);
+        // Auto: 8000 pages dirtied while 10000 went out is 0.8 of the link;
+        // 9500 is not converging; and a limit reached hands over too.
+        assert_eq!(policy.decide(&it, 8000, 2, 0, 1 << 30, &auto), Decision::Continue { throttle: None });
+        assert_eq!(policy.decide(&it, 9500, 2, 0, 1 << 30, &auto), Decision::Postcopy);
+        assert_eq!(policy.decide(&it, 8000, 30, 0, 1 << 30, &auto), Decision::Postcopy);
     }
 }

@@ -1,5 +1,5 @@
 //! Pre-copy: iterations over the dirty set while the guest runs, until
-//! the policy says stop ([`super::policy`]).
+//! the policy says stop, or hand over to post-copy ([`super::policy`]).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -7,9 +7,10 @@ use std::time::Instant;
 use tsubame_vmm::DirtyBitmap;
 
 use super::fetch::Fetcher;
-use super::policy::Decision;
+use super::policy::{strided, Decision, HandoverWatch};
 use super::{ms, SourceError, SourceRun};
 use crate::digest;
+use crate::options::PostcopyMode;
 use crate::protocol::SourceState;
 use crate::stats::IterationStats;
 
@@ -19,10 +20,20 @@ use crate::stats::IterationStats;
 /// costs the downtime under ~60 ms.
 const DIGEST_LAG_PAGES: u64 = 131_072;
 
+/// How pre-copy ended.
+pub(super) enum PrecopyEnd {
+    /// Stop the guest and send the rest (`self.pending`).
+    StopAndCopy,
+    /// Hand over to post-copy: the destination lacks `missing` (stale or
+    /// never sent); `last_iteration` is the last one ended on every channel.
+    Postcopy { missing: DirtyBitmap, last_iteration: Option<u32> },
+}
+
 impl SourceRun<'_> {
-    /// Iterations while the guest runs; returns with the VM still running
-    /// and the pages still dirty in `self.pending`.
-    pub(super) fn precopy(&mut self) -> Result<(), SourceError> {
+    /// Iterations while the guest runs; returns with the VM still running,
+    /// and the pages still dirty in `self.pending` or in what post-copy is
+    /// handed.
+    pub(super) fn precopy(&mut self) -> Result<PrecopyEnd, SourceError> {
         let vm = self.vm;
         let mut bitmap = vm.dirty_bitmap();
         vm.set_dirty_logging(true)?;
@@ -31,10 +42,21 @@ impl SourceRun<'_> {
         } else {
             bitmap.set_all();
         }
+        if self.options.postcopy == PostcopyMode::After(0) {
+            return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: None });
+        }
         let mut iteration = 0u32;
         loop {
             self.progress.update(|p| p.iteration = iteration);
-            let it = self.send_dirty(&bitmap, iteration)?;
+            // Auto post-copy watches the first iteration, sent in a strided
+            // order, for a guest that outruns the link.
+            let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto).then(HandoverWatch::new);
+            let (it, unsent) = self.send_dirty(&bitmap, iteration, watch)?;
+            if let Some(unsent) = unsent {
+                self.refresh_digest(&bitmap);
+                self.stats.per_iteration.push(it);
+                return Ok(PrecopyEnd::Postcopy { missing: unsent, last_iteration: Some(iteration) });
+            }
             self.refresh_digest(&bitmap);
             let bw = self.policy.observe(&it, self.options);
             let summary = self.engine.as_ref().map_or_else(String::new, |e| e.summary());
@@ -64,6 +86,9 @@ impl SourceRun<'_> {
                     }
                     continue;
                 }
+                Decision::Postcopy => {
+                    return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: Some(iteration - 1) })
+                }
                 Decision::Stop(reason) => reason,
             };
             self.stats.stop_reason = reason;
@@ -82,7 +107,7 @@ impl SourceRun<'_> {
             // Without manual protect, `bitmap` was cleared in KVM: keep
             // it for stop-and-copy, which adds what comes after.
             self.pending = Some(bitmap);
-            return Ok(());
+            return Ok(PrecopyEnd::StopAndCopy);
         }
     }
 
@@ -103,8 +128,15 @@ impl SourceRun<'_> {
     }
 
     /// Sends every page whose bit is set, clearing each batch's bits in KVM
-    /// right before reading it.
-    pub(super) fn send_dirty(&mut self, bitmap: &DirtyBitmap, iteration: u32) -> Result<IterationStats, SourceError> {
+    /// right before reading it. With a `watch` it visits memory in a
+    /// strided order and stops early when the watch says hand over; then
+    /// it also returns the pages it did not send.
+    pub(super) fn send_dirty(
+        &mut self,
+        bitmap: &DirtyBitmap,
+        iteration: u32,
+        mut watch: Option<HandoverWatch>,
+    ) -> Result<(IterationStats, Option<DirtyBitmap>), SourceError> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
@@ -114,14 +146,36 @@ impl SourceRun<'_> {
         let layout = self.engine().layout();
         let mut fetcher = Fetcher::new(layout.batch_pages as usize, self.options.codecs.zero, self.options.zero_copy);
         let mut remaining = dirty_pages;
-        for (first_page, chunk) in bitmap.chunks((layout.batch_pages / 64) as usize) {
+        let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
+        let order: Vec<usize> =
+            if watch.is_some() { strided(chunks.len()).collect() } else { (0..chunks.len()).collect() };
+        let mut peek = vm.dirty_bitmap();
+        let mut unsent = None;
+        for (done, &c) in order.iter().enumerate() {
+            let (first_page, chunk) = chunks[c];
             if chunk.iter().all(|&w| w == 0) {
                 continue;
+            }
+            if let Some(watch) = &mut watch {
+                let link = (self.engine().bytes() - bytes_before) as f64 / started.elapsed().as_secs_f64();
+                if watch.handover(link, self.stats.pages_total, &mut peek, |b| vm.peek_dirty_log(b).unwrap_or(false)) {
+                    // What is left of this iteration goes with post-copy.
+                    let mut left = DirtyBitmap::new(bitmap.pages());
+                    for &(first, words) in order[done..].iter().map(|&c| &chunks[c]) {
+                        let end = (first / 64) as usize + words.len();
+                        left.words_mut()[(first / 64) as usize..end].copy_from_slice(words);
+                    }
+                    unsent = Some(left);
+                    break;
+                }
             }
             let mut batch = self.engine().take_batch()?;
             let fetch_start = Instant::now();
             batch.clear(iteration, layout.shard(first_page), false);
             fetcher.fill(vm, first_page, chunk, &mut batch)?;
+            if let Some(watch) = &mut watch {
+                watch.sent(first_page, chunk.len() as u64 * 64);
+            }
             let pages = batch.len() as u64;
             let engine = self.engine();
             engine.fetched(fetch_start.elapsed());
@@ -140,6 +194,6 @@ impl SourceRun<'_> {
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
-        Ok(it)
+        Ok((it, unsent))
     }
 }

@@ -45,7 +45,7 @@ impl SourceRun<'_> {
         vm.dirty_log(&mut fresh)?;
         pending.union_with(&fresh);
         let iteration = self.stats.iterations;
-        let it = self.send_dirty(&pending, iteration)?;
+        let (it, _) = self.send_dirty(&pending, iteration, None)?;
         self.stats.per_iteration.push(it);
         laps(&mut breakdown.final_pages_ms);
 

@@ -26,6 +26,11 @@ pub trait SourceVm: Sync {
     /// Fills `bitmap` with the dirty set (KVM's log and the VMM's own
     /// writes).
     fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError>;
+    /// Looks at the dirty log without taking anything (false when this
+    /// source cannot).
+    fn peek_dirty_log(&self, _bitmap: &mut DirtyBitmap) -> Result<bool, VmError> {
+        Ok(false)
+    }
     /// Clears (re-protects) these bits, starting at `first_page`.
     fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError>;
     /// Stops the guest.
@@ -60,6 +65,9 @@ impl SourceVm for Vm {
     }
     fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError> {
         Vm::dirty_log(self, bitmap)
+    }
+    fn peek_dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<bool, VmError> {
+        Vm::peek_dirty_log(self, bitmap)
     }
     fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError> {
         Vm::clear_dirty_log(self, first_page, bits)

@@ -1,0 +1,352 @@
+//! Post-copy at the destination: the VM runs while its missing pages
+//! arrive. Guest memory is registered for missing-page faults
+//! (`tsubame_vmm::uffd`); the fault thread asks the source for each page
+//! a guest (or a VMM thread) touches and installs known-zero pages itself;
+//! whichever connection brings a page installs it, which wakes the waiting
+//! threads. Once every page is in, the memory as received is compared
+//! with the source's digest page by page (the guest has been writing to
+//! it meanwhile, so it cannot be hashed again) and the source is told.
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tsubame_vmm::memory::{self, GuestMemory};
+use tsubame_vmm::uffd::{FaultStats, Installed, PageFaults};
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
+use vm_memory::bitmap::AtomicBitmap;
+
+use super::error::ReceiveError;
+use crate::digest::{page_hash, region_hashes, zero_page_hash};
+use crate::protocol::pages::{for_each_record, Encoding};
+use crate::protocol::{self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, ReceiverState, WireError};
+use crate::stats::process_cpu_seconds;
+
+/// A channel back to the source, shared by the receiver and the fault
+/// thread.
+pub type BackChannel = Arc<Mutex<Box<dyn Write + Send>>>;
+
+/// What a finished post-copy phase saw.
+#[derive(Debug, Clone)]
+pub struct PostcopyOutcome {
+    /// Faults and their service times.
+    pub faults: FaultStats,
+    /// Pages asked of the source.
+    pub requested: u64,
+    /// The guest's ops per second during the phase (0: not watched).
+    pub guest_ops_per_sec: f64,
+    /// The phase's length.
+    pub duration: Duration,
+}
+
+/// The guest's progress counter, with where it stood when watching began.
+type GuestOps = (Box<dyn Fn() -> u64 + Send + Sync>, u64, Instant);
+
+/// What the post-copy threads share.
+pub(super) struct PostcopyShared {
+    faults: PageFaults,
+    mem: Arc<GuestMemory>,
+    pages: u64,
+    /// Pages still missing here.
+    missing: AtomicBitmap,
+    remaining: AtomicU64,
+    /// Each page's hash as received (or as held at the switch).
+    page_hashes: Vec<AtomicU64>,
+    /// Pages asked for and not arrived yet.
+    requested: Mutex<HashSet<u64>>,
+    requests_sent: AtomicU64,
+    back: BackChannel,
+    /// Every page is here (`remaining` reached zero), or a failure.
+    settled: (Mutex<bool>, Condvar),
+    failure: Mutex<Option<String>>,
+    stop: AtomicBool,
+    guest_ops: Mutex<Option<GuestOps>>,
+    started: Instant,
+    cpu_at_start: f64,
+}
+
+impl PostcopyShared {
+    /// Registers `mem` for faults, drops the `missing` pages, and takes the
+    /// page hashes of what is held (`held_hashes`, from the digest).
+    pub(super) fn start(
+        mem: Arc<GuestMemory>,
+        missing: &DirtyBitmap,
+        held_hashes: Vec<u64>,
+        back: BackChannel,
+    ) -> Result<Arc<PostcopyShared>, ReceiveError> {
+        let faults = PageFaults::register(&mem).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        faults.discard_set(missing).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        let pages = memory::page_count(&mem);
+        let marks = AtomicBitmap::new(pages as usize * PAGE_SIZE, NonZeroUsize::new(PAGE_SIZE).expect("non-zero"));
+        for p in missing.iter() {
+            marks.set_bit(p as usize);
+        }
+        Ok(Arc::new(PostcopyShared {
+            faults,
+            mem,
+            pages,
+            missing: marks,
+            remaining: AtomicU64::new(missing.count()),
+            page_hashes: held_hashes.into_iter().map(AtomicU64::new).collect(),
+            requested: Mutex::default(),
+            requests_sent: AtomicU64::new(0),
+            back,
+            settled: (Mutex::new(missing.is_empty()), Condvar::new()),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            guest_ops: Mutex::new(None),
+            started: Instant::now(),
+            cpu_at_start: process_cpu_seconds(),
+        }))
+    }
+
+    /// Installs the pages of a POSTCOPY_PAGES frame (raw and zero records).
+    /// Pages may come twice (asked for and pushed); once every page is
+    /// here the rest are duplicates and are dropped.
+    pub(super) fn install_frame(&self, payload: &[u8]) -> Result<(), ReceiveError> {
+        for_each_record(payload, self.pages, PAGE_SIZE, |record| {
+            if self.remaining.load(Ordering::Acquire) == 0 {
+                return Ok(());
+            }
+            let page = record.page_index;
+            let (installed, hash) = match record.encoding {
+                Encoding::Raw => {
+                    let data: &[u8; PAGE_SIZE] = record.data.try_into().expect("checked length");
+                    (self.faults.install(page, data), page_hash(data))
+                }
+                Encoding::Zero => (self.faults.install_zero(page), zero_page_hash()),
+                other => {
+                    return Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw or zero only)")))
+                }
+            };
+            let installed = match installed {
+                Ok(installed) => installed,
+                // The last page came meanwhile and memory was unregistered.
+                Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
+                Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
+            };
+            if installed == Installed::Now && self.missing.is_bit_set(page as usize) {
+                self.missing.reset_bit(page as usize);
+                self.page_hashes[page as usize].store(hash, Ordering::Relaxed);
+                self.requested.lock().unwrap().remove(&page);
+                if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    // Every page is here: faults are the kernel's again (a
+                    // page never populated reads as zeros), and huge pages
+                    // may back memory from now on.
+                    let _ = self.faults.unregister();
+                    memory::advise_hugepages(&self.mem);
+                    self.settle();
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    fn settle(&self) {
+        *self.settled.0.lock().unwrap() = true;
+        self.settled.1.notify_all();
+    }
+
+    /// Ends the phase with a failure (the first one counts).
+    pub(super) fn fail(&self, why: String) {
+        self.failure.lock().unwrap().get_or_insert(why);
+        self.stop.store(true, Ordering::Release);
+        self.settle();
+    }
+
+    /// Serves faults until every page is here or the phase fails: asks the
+    /// source for missing pages, installs known-zero ones.
+    fn fault_loop(&self) {
+        let mut faults = Vec::new();
+        let mut ask = Vec::new();
+        while !self.stop.load(Ordering::Acquire) && self.remaining.load(Ordering::Acquire) > 0 {
+            if let Err(e) = self.faults.wait_faults(Duration::from_millis(50), &mut faults) {
+                self.fail(format!("serving page faults: {e}"));
+                return;
+            }
+            {
+                let mut requested = self.requested.lock().unwrap();
+                for fault in faults.drain(..) {
+                    if self.missing.is_bit_set(fault.page as usize) {
+                        if requested.insert(fault.page) {
+                            ask.push(fault.page);
+                        }
+                    } else if let Err(e) = self.faults.install_zero(fault.page) {
+                        // Never populated, never missing: a zero page.
+                        drop(requested);
+                        self.fail(format!("installing a zero page: {e}"));
+                        return;
+                    }
+                }
+            }
+            for chunk in ask.chunks(protocol::messages::MAX_REQUEST) {
+                let request = PageRequest { pages: chunk.to_vec() }.encode();
+                let mut back = self.back.lock().unwrap();
+                if let Err(e) =
+                    protocol::write_frame(&mut *back, FrameKind::PageRequest, &request).and_then(|_| back.flush())
+                {
+                    drop(back);
+                    self.fail(format!("link to the source lost while asking for pages: {e}"));
+                    return;
+                }
+                self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            }
+            ask.clear();
+        }
+    }
+
+    /// Waits until every page is here (or the phase failed).
+    fn wait_settled(&self) -> Result<(), String> {
+        let mut settled = self.settled.0.lock().unwrap();
+        while !*settled {
+            settled = self.settled.1.wait(settled).unwrap();
+        }
+        drop(settled);
+        match self.failure.lock().unwrap().clone() {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
+    }
+
+    /// The digest of memory as received, from every page's hash.
+    fn digest(&self, region: u32) -> Vec<u64> {
+        let pages: Vec<u64> = self.page_hashes.iter().map(|h| h.load(Ordering::Relaxed)).collect();
+        region_hashes(&pages, region)
+    }
+}
+
+/// A post-copy migration in progress: the VM runs here while its missing
+/// pages arrive.
+pub struct PostcopyHandle {
+    shared: Arc<PostcopyShared>,
+    thread: std::thread::JoinHandle<Result<PostcopyOutcome, ReceiveError>>,
+}
+
+impl std::fmt::Debug for PostcopyHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PostcopyHandle({} pages missing)", self.shared.remaining.load(Ordering::Relaxed))
+    }
+}
+
+impl PostcopyHandle {
+    /// Lets the phase measure the guest's progress (its ops counter).
+    pub fn watch_guest(&self, ops: Box<dyn Fn() -> u64 + Send + Sync>) {
+        let now = ops();
+        *self.shared.guest_ops.lock().unwrap() = Some((ops, now, Instant::now()));
+    }
+
+    /// True once the phase ended (done or failed).
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Waits for every page to arrive and the digest to compare.
+    pub fn wait(self) -> Result<PostcopyOutcome, ReceiveError> {
+        self.thread.join().unwrap_or_else(|_| Err(ReceiveError::Postcopy("the post-copy thread failed".into())))
+    }
+}
+
+/// Runs the post-copy phase on its threads: faults, channel 0 (pages,
+/// the digest), the request connection. `digest_region` as in HELLO.
+pub(super) fn run(
+    shared: Arc<PostcopyShared>,
+    mut channel0: Box<dyn Read + Send>,
+    urgent: Option<crate::transport::Stream>,
+    digest_region: u32,
+) -> PostcopyHandle {
+    let faults = {
+        let shared = shared.clone();
+        std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || shared.fault_loop())
+    };
+    if let Some(stream) = urgent {
+        let shared = shared.clone();
+        let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+            let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
+            let mut frame = Vec::new();
+            while !shared.stop.load(Ordering::Acquire) {
+                match protocol::read_frame(&mut reader, &mut frame) {
+                    Ok(FrameKind::PostcopyPages) => {
+                        if let Err(e) = shared.install_frame(&frame) {
+                            shared.fail(format!("request connection: {e}"));
+                        }
+                    }
+                    Ok(other) => shared.fail(format!("request connection: unexpected {other:?}")),
+                    // The source closes it when done; channel 0 tells a cut.
+                    Err(_) => return,
+                }
+            }
+        });
+    }
+    let main = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("postcopy".into())
+        .spawn(move || {
+            let result = channel0_loop(&main, &mut *channel0, digest_region);
+            main.stop.store(true, Ordering::Release);
+            if let Ok(handle) = faults {
+                let _ = handle.join();
+            }
+            result
+        })
+        .expect("spawn post-copy thread");
+    PostcopyHandle { shared, thread }
+}
+
+/// Channel 0 during post-copy: pages and the source's digest; then the
+/// comparison and POSTCOPY_DONE.
+fn channel0_loop(shared: &PostcopyShared, reader: &mut dyn Read, region: u32) -> Result<PostcopyOutcome, ReceiveError> {
+    let lost = |why: String| {
+        shared.fail(why.clone());
+        ReceiveError::Postcopy(why)
+    };
+    let mut frame = Vec::new();
+    let regions = (shared.pages * PAGE_SIZE as u64).div_ceil(region as u64) as usize;
+    let theirs = loop {
+        let kind =
+            protocol::read_frame(reader, &mut frame).map_err(|e| lost(format!("link to the source lost: {e}")))?;
+        if kind == FrameKind::Error {
+            return Err(lost(format!("the source gave up: {}", ErrorMessage::decode(&frame).0)));
+        }
+        ReceiverState::Postcopy.check(kind).map_err(|e| lost(e.to_string()))?;
+        match kind {
+            FrameKind::PostcopyPages => shared.install_frame(&frame).map_err(|e| lost(e.to_string()))?,
+            _ => break Digest::decode(&frame, region, regions).map_err(|e| lost(e.to_string()))?,
+        }
+    };
+    shared.wait_settled().map_err(ReceiveError::Postcopy)?;
+    let ours = shared.digest(region);
+    let mismatched = theirs.differing(&ours).len() as u32;
+    let stats = shared.faults.stats();
+    let duration = shared.started.elapsed();
+    let guest_ops_per_sec = match &*shared.guest_ops.lock().unwrap() {
+        Some((ops, at_start, since)) => ops().saturating_sub(*at_start) as f64 / since.elapsed().as_secs_f64(),
+        None => 0.0,
+    };
+    let requested = shared.requests_sent.load(Ordering::Relaxed);
+    let done = PostcopyDone {
+        mismatched,
+        faults: stats.faults,
+        requested,
+        latency_p50_us: stats.latency_p50_us,
+        latency_p99_us: stats.latency_p99_us,
+        latency_max_us: stats.latency_max_us,
+        cpu_micros: ((process_cpu_seconds() - shared.cpu_at_start) * 1e6) as u64,
+        guest_ops_per_sec,
+    };
+    {
+        let mut back = shared.back.lock().unwrap();
+        let _ = protocol::write_frame(&mut *back, FrameKind::PostcopyDone, &done.encode()).and_then(|_| back.flush());
+    }
+    if mismatched > 0 {
+        return Err(ReceiveError::DigestMismatch {
+            count: mismatched as usize,
+            total: ours.len(),
+            first: theirs.differing(&ours)[0] as u64 * region as u64,
+        });
+    }
+    Ok(PostcopyOutcome { faults: stats, requested, guest_ops_per_sec, duration })
+}
