@@ -43,6 +43,19 @@ pub struct MigrateFlags {
     /// The guest runs at full speed again as soon as the migration ends.
     #[arg(long)]
     pub auto_converge: bool,
+    /// Finish with post-copy instead of a long stop-and-copy: the
+    /// destination runs the VM at once and is sent the pages it lacks,
+    /// those its guest touches first. `off`; `after=N` (switch after N
+    /// pre-copy iterations, 0 at once); `auto` (switch when the guest
+    /// dirties memory about as fast as the link carries it). Once the
+    /// switch happened the VM runs only at the destination: a link cut
+    /// pauses both ends until it is back (see --postcopy-timeout), and
+    /// losing either process loses the VM (docs/security.md).
+    #[arg(long, value_name = "MODE", default_value = "off")]
+    pub postcopy: String,
+    /// How long a cut post-copy link is retried before the VM is given up.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub postcopy_timeout: u64,
     /// Page codecs, comma-separated: zero, rle, xbzrle[=CACHE], dedup[=CACHE],
     /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
     /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
@@ -143,6 +156,10 @@ impl MigrateFlags {
         let subpage_detector =
             self.subpage_detect.parse().map_err(|e: String| usage_error(format!("--subpage-detect: {e}")))?;
         let codecs = self.codec.parse().map_err(|e: tsubame_codec::CodecError| usage_error(format!("--codec: {e}")))?;
+        let postcopy = self.postcopy.parse().map_err(|e: String| usage_error(format!("--postcopy: {e}")))?;
+        if self.postcopy_timeout == 0 {
+            return Err(usage_error("--postcopy-timeout must be at least 1 second"));
+        }
         let options = MigrateOptions {
             codecs,
             max_bandwidth,
@@ -160,6 +177,8 @@ impl MigrateFlags {
             zero_copy: self.zero_copy,
             gpu: self.gpu().map_err(usage_error)?,
             security: security(self.psk_file.as_deref(), &self.tls, self.insecure)?,
+            postcopy,
+            postcopy_timeout: Duration::from_secs(self.postcopy_timeout),
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
@@ -343,6 +362,21 @@ pub fn print_summary(stats: &MigrationStats) {
                 zc.copied
             );
         }
+    }
+    if let Some(p) = &stats.postcopy {
+        println!(
+            "  post-copy:   from {:.0} ms for {:.0} ms: {} pages missing, {} asked for ({} faults, service p50 {} µs, p99 {} µs, max {} µs), {} pushed{}",
+            p.started_at_ms,
+            p.duration_ms,
+            p.pages_missing,
+            p.pages_requested,
+            p.faults,
+            p.fault_latency_p50_us,
+            p.fault_latency_p99_us,
+            p.fault_latency_max_us,
+            p.pages_pushed,
+            if p.guest_ops_per_sec > 0.0 { format!("; guest {:.0} ops/s meanwhile", p.guest_ops_per_sec) } else { String::new() }
+        );
     }
     println!("  verified:    {}", if stats.digest_verified { "memory digest matched" } else { "no" });
 }

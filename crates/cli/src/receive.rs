@@ -150,6 +150,9 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
     let host = RunningVm::new(Arc::new(vm), console, "received by migration".into());
     *control.host.lock().unwrap() = Some(host.clone());
+    if let Some(postcopy) = incoming.postcopy {
+        follow_postcopy(postcopy, host.clone());
+    }
     let end = host.wait(None)?;
     let progress = host.console.snapshot();
     eprintln!(
@@ -163,6 +166,33 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         progress.mean_ops_per_sec
     );
     Ok(())
+}
+
+/// Post-copy: the VM runs while its memory arrives. Waits for the rest on
+/// a thread of its own; if it cannot come, the VM cannot go on — this
+/// process says so and ends, and the VM with it (the source never runs
+/// its stale copy again).
+fn follow_postcopy(postcopy: tsubame_migrate::destination::PostcopyHandle, host: Arc<RunningVm>) {
+    host.set_arriving(true);
+    let ops = host.clone();
+    postcopy.watch_guest(Box::new(move || ops.console.snapshot().ops));
+    let _ = std::thread::Builder::new().name("postcopy-wait".into()).spawn(move || match postcopy.wait() {
+        Ok(outcome) => {
+            host.set_arriving(false);
+            eprintln!(
+                "tsubame: post-copy done: every page here after {:.1} s; {} faults served (p50 {} µs, p99 {} µs, max {} µs)",
+                outcome.duration.as_secs_f64(),
+                outcome.faults.faults,
+                outcome.faults.latency_p50_us,
+                outcome.faults.latency_p99_us,
+                outcome.faults.latency_max_us
+            );
+        }
+        Err(e) => {
+            eprintln!("tsubame: error: {e}: the VM is lost — it ran here without all its memory, and the source's copy is stale");
+            std::process::exit(1);
+        }
+    });
 }
 
 /// `receive --memory-only`: one migration into plain memory.

@@ -50,6 +50,10 @@ pub struct MigrateRequest {
     pub gpu: Option<String>,
     /// Allow plain TCP to a host that is not this one.
     pub insecure: Option<bool>,
+    /// off, auto or after=N.
+    pub postcopy: Option<String>,
+    /// Seconds a cut post-copy link is retried.
+    pub postcopy_timeout_s: Option<u64>,
     /// A pre-shared key file (a path the VM's process can open).
     pub psk_file: Option<PathBuf>,
     /// This end's TLS certificate.
@@ -118,6 +122,8 @@ impl MigrateRequest {
                 GpuOffload::Emulator => "emulator".to_string(),
             }),
             insecure: Some(options.security.insecure),
+            postcopy: Some(options.postcopy.to_string()),
+            postcopy_timeout_s: Some(options.postcopy_timeout.as_secs()),
             psk_file: files.psk.clone(),
             tls_cert: files.tls_cert.clone(),
             tls_key: files.tls_key.clone(),
@@ -157,6 +163,15 @@ impl MigrateRequest {
         set(&mut options.zero_copy, self.zero_copy);
         set(&mut options.abort_if_not_converged, self.abort_if_not_converged);
         set(&mut options.security.insecure, self.insecure);
+        if let Some(mode) = &self.postcopy {
+            options.postcopy = mode.parse()?;
+        }
+        if let Some(seconds) = self.postcopy_timeout_s {
+            if seconds == 0 {
+                return Err("\"postcopy_timeout_s\" must be at least 1".into());
+            }
+            options.postcopy_timeout = Duration::from_secs(seconds);
+        }
         if let Some(text) = &self.gpu {
             options.gpu = Some(match text.split_once(':') {
                 Some(("cuda", wait)) => GpuOffload::Cuda(wait.parse()?),
@@ -205,6 +220,7 @@ mod tests {
             auto_converge: true,
             max_bandwidth: Some(125_000_000),
             codecs: "zero,zstd".parse().unwrap(),
+            postcopy: tsubame_migrate::PostcopyMode::After(2),
             ..MigrateOptions::default()
         };
         let text = serde_json::to_value(MigrateRequest::new(&to, &options, &SecurityFiles::default())).unwrap();
@@ -215,6 +231,7 @@ mod tests {
         assert!(back.auto_converge);
         assert_eq!(back.max_bandwidth, Some(125_000_000));
         assert_eq!(back.codecs.to_string(), options.codecs.to_string());
+        assert_eq!(back.postcopy, tsubame_migrate::PostcopyMode::After(2));
     }
 
     #[test]

@@ -51,6 +51,8 @@ pub struct RunningVm {
     quit: AtomicBool,
     migration: Mutex<Migration>,
     tracing: AtomicBool,
+    /// Post-copy: the VM runs here while its memory still arrives.
+    arriving: AtomicBool,
     /// The guest's workload command line, as far as this process knows it.
     pub description: String,
     me: Weak<RunningVm>,
@@ -66,9 +68,16 @@ impl RunningVm {
             quit: AtomicBool::new(false),
             migration: Mutex::new(Migration::None),
             tracing: AtomicBool::new(false),
+            arriving: AtomicBool::new(false),
             description,
             me: me.clone(),
         })
+    }
+
+    /// Post-copy: the VM's memory is still arriving (it cannot be
+    /// migrated on or traced until it is all here).
+    pub fn set_arriving(&self, arriving: bool) {
+        self.arriving.store(arriving, Ordering::Release);
     }
 
     /// Asks `wait` to return.
@@ -85,6 +94,10 @@ impl RunningVm {
             if let Migration::Finished { stats, at, delivered } = &*self.migration.lock().unwrap() {
                 if stats.status == Status::Completed && (*delivered || at.elapsed() > LINGER) {
                     return Ok(VmEnd::Migrated(stats.clone()));
+                }
+                if stats.status == Status::Failed && stats.postcopy.is_some() && (*delivered || at.elapsed() > LINGER) {
+                    // Past the switch: the VM never runs here again.
+                    anyhow::bail!("{}", stats.error.as_deref().unwrap_or("post-copy failed: the VM is lost"));
                 }
             }
             if limit.is_some_and(|l| self.started.elapsed() >= l) && !self.migrating() {
@@ -116,7 +129,7 @@ impl RunningVm {
         match &*self.migration.lock().unwrap() {
             Migration::None => false,
             Migration::Active(_) => true,
-            Migration::Finished { stats, .. } => stats.status == Status::Completed,
+            Migration::Finished { stats, .. } => stats.status == Status::Completed || stats.postcopy.is_some(),
         }
     }
 
@@ -126,11 +139,14 @@ impl RunningVm {
         if self.tracing.load(Ordering::Acquire) {
             return Err("a trace is being recorded; migrate when it is done".into());
         }
+        if self.arriving.load(Ordering::Acquire) {
+            return Err("the VM's memory is still arriving (post-copy); migrate it once it is all here".into());
+        }
         {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
                 Migration::Active(_) => return Err("a migration is already running".into()),
-                Migration::Finished { stats, .. } if stats.status == Status::Completed => {
+                Migration::Finished { stats, .. } if stats.status == Status::Completed || stats.postcopy.is_some() => {
                     return Err("the VM has already been migrated away".into())
                 }
                 _ => {}
@@ -182,6 +198,9 @@ impl RunningVm {
         if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active(_)) {
             return Err("the VM is migrating; trace it before or after".into());
         }
+        if self.arriving.load(Ordering::Acquire) {
+            return Err("the VM's memory is still arriving (post-copy); trace it once it is all here".into());
+        }
         if self.tracing.swap(true, Ordering::AcqRel) {
             return Err("a trace is already being recorded".into());
         }
@@ -200,6 +219,7 @@ impl RunningVm {
             "status": status_name(&self.vm.status()),
             "memory_bytes": self.vm.memory_bytes(),
             "uptime_ms": self.started.elapsed().as_millis() as u64,
+            "memory_arriving": self.arriving.load(Ordering::Acquire),
             "guest": progress,
         })
     }
