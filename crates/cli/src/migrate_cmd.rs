@@ -246,8 +246,14 @@ pub struct MigrateArgs {
     #[arg(long)]
     pub control: PathBuf,
     /// Destination: tcp:HOST:PORT or unix:PATH (where `tsubame receive` listens).
+    #[arg(long, required_unless_present = "resume")]
+    pub to: Option<String>,
+    /// Resume a post-copy migration whose link was cut: reconnect now
+    /// (to --to, when given: the destination's new address) instead of
+    /// waiting for the next automatic retry, then follow it to the end.
+    /// Fails when no post-copy migration of that VM is paused.
     #[arg(long)]
-    pub to: String,
+    pub resume: bool,
     #[command(flatten)]
     pub flags: MigrateFlags,
 }
@@ -392,10 +398,24 @@ pub fn write_json(path: &Option<PathBuf>, stats: &impl serde::Serialize) -> anyh
 
 /// Runs `tsubame migrate`.
 pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let to: Address =
-        args.to.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?;
-    let options = args.flags.options()?;
+    let to: Option<Address> = match &args.to {
+        Some(to) => {
+            Some(to.parse().map_err(|e: tsubame_migrate::transport::TransportError| usage_error(e.to_string()))?)
+        }
+        None => None,
+    };
     let mut client = ControlClient::connect(&args.control)?;
+    if args.resume {
+        let mut request = serde_json::json!({"cmd": "migrate-resume"});
+        if let Some(to) = &to {
+            request["to"] = Value::String(to.to_string());
+        }
+        client.request(&request)?;
+        eprintln!("post-copy link resumed; following the migration");
+        return follow(&mut client, &args.flags.json);
+    }
+    let to = to.expect("clap requires --to without --resume");
+    let options = args.flags.options()?;
     // The VM's process reads the key files: give it paths from anywhere.
     let files = SecurityFiles {
         psk: canonical(args.flags.psk_file.as_deref())?,
@@ -404,6 +424,11 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         tls_ca: canonical(args.flags.tls.tls_ca.as_deref())?,
     };
     client.request(&serde_json::to_value(MigrateRequest::new(&to, &options, &files))?)?;
+    follow(&mut client, &args.flags.json)
+}
+
+/// Shows the running migration's progress until it ends, then its summary.
+fn follow(client: &mut ControlClient, json: &Option<PathBuf>) -> anyhow::Result<()> {
     let bar = progress_bar();
     let stats: MigrationStats = loop {
         std::thread::sleep(Duration::from_millis(100));
@@ -416,7 +441,7 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     };
     bar.finish_and_clear();
     print_summary(&stats);
-    write_json(&args.flags.json, &stats)?;
+    write_json(json, &stats)?;
     if stats.status != Status::Completed {
         anyhow::bail!("migration failed: {}", stats.error.as_deref().unwrap_or("unknown error"));
     }

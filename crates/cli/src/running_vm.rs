@@ -165,6 +165,25 @@ impl RunningVm {
         Ok(())
     }
 
+    /// `migrate-resume`: asks a post-copy migration whose link is cut to
+    /// reconnect now (to `to`, when given), and waits for the attempt.
+    pub fn resume_migration(&self, request: &Value) -> Result<Value, String> {
+        let to = match request.get("to").and_then(Value::as_str) {
+            Some(to) => Some(to.parse::<Address>().map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let progress = match &*self.migration.lock().unwrap() {
+            Migration::Active(progress) => progress.clone(),
+            _ => return Err("no paused post-copy migration to resume".into()),
+        };
+        let answer = progress.request_resume(to)?;
+        match answer.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(Ok(())) => Ok(json!({})),
+            Ok(Err(why)) => Err(why),
+            Err(_) => Err("the migration did not answer the resume request".into()),
+        }
+    }
+
     /// The `query-migrate` reply; marks final statistics as delivered.
     pub fn query_migrate(&self) -> Value {
         match &mut *self.migration.lock().unwrap() {
@@ -247,6 +266,7 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             "query-migrate" => Ok(self.query_migrate()),
+            "migrate-resume" => self.resume_migration(request),
             "trace" => self.trace(request),
             "pause" => self.vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             "resume" => self.vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
@@ -255,7 +275,7 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             other => Err(format!(
-                "unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate, trace)"
+                "unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
             )),
         }
     }

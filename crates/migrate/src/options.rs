@@ -212,18 +212,57 @@ pub struct Progress {
     pub pipeline: String,
 }
 
-/// A progress value shared between the engine and its observers.
+/// A manual resume of a paused post-copy migration: maybe another
+/// address, and where to say how the attempt went.
+pub type ResumeRequest = (Option<crate::Address>, crossbeam_channel::Sender<Result<(), String>>);
+
+/// A progress value shared between the engine and its observers, and the
+/// one thing an observer may ask of a running migration: to resume a
+/// paused post-copy now (`tsubame migrate --resume`).
 #[derive(Default)]
-pub struct ProgressCell(Mutex<Progress>);
+pub struct ProgressCell {
+    progress: Mutex<Progress>,
+    resume: Mutex<Option<ResumeRequest>>,
+    asked: std::sync::Condvar,
+}
 
 impl ProgressCell {
     /// Updates the progress in place.
     pub fn update(&self, f: impl FnOnce(&mut Progress)) {
-        f(&mut self.0.lock().unwrap());
+        f(&mut self.progress.lock().unwrap());
     }
 
     /// A copy of the current progress.
     pub fn get(&self) -> Progress {
-        self.0.lock().unwrap().clone()
+        self.progress.lock().unwrap().clone()
+    }
+
+    /// Asks a paused post-copy migration to try its link again now (at
+    /// `to`, when given); the answer comes on the returned channel. Fails
+    /// at once when no post-copy migration is paused.
+    pub fn request_resume(
+        &self,
+        to: Option<crate::Address>,
+    ) -> Result<crossbeam_channel::Receiver<Result<(), String>>, String> {
+        if self.get().phase != crate::protocol::SourceState::PostcopyPaused {
+            return Err("no paused post-copy migration to resume".into());
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        *self.resume.lock().unwrap() = Some((to, tx));
+        self.asked.notify_all();
+        Ok(rx)
+    }
+
+    /// The pending manual resume, if any.
+    pub(crate) fn take_resume_request(&self) -> Option<ResumeRequest> {
+        self.resume.lock().unwrap().take()
+    }
+
+    /// Sleeps up to `timeout`, less when a manual resume is asked for.
+    pub(crate) fn wait_resume_request(&self, timeout: std::time::Duration) {
+        let pending = self.resume.lock().unwrap();
+        if pending.is_none() {
+            let _ = self.asked.wait_timeout(pending, timeout);
+        }
     }
 }

@@ -133,6 +133,8 @@ pub struct PostcopyStats {
     pub fault_latency_max_us: u64,
     /// The guest's ops/s at the destination during the phase (0: unknown).
     pub guest_ops_per_sec: f64,
+    /// Times a cut link was taken back up.
+    pub resumes: u32,
 }
 
 /// Per-codec counters.

@@ -390,10 +390,24 @@ impl Listener {
     }
 }
 
+impl Listener {
+    /// A second handle on the same listening socket (for a post-copy
+    /// destination waiting for a cut link to come back). It leaves a Unix
+    /// socket's file to the original.
+    pub fn try_clone(&self) -> std::io::Result<Listener> {
+        Ok(match self {
+            Listener::Tcp(l) => Listener::Tcp(l.try_clone()?),
+            Listener::Unix(l, _) => Listener::Unix(l.try_clone()?, PathBuf::new()),
+        })
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, path) = self {
-            let _ = std::fs::remove_file(path);
+            if !path.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }

@@ -67,7 +67,7 @@ proptest! {
         for p in &set {
             missing.set(p % pages);
         }
-        let start = PostcopyStart { last_iteration: last, missing: missing.clone() };
+        let start = PostcopyStart { last_iteration: last, timeout_ms: x, missing: missing.clone() };
         prop_assert_eq!(PostcopyStart::decode(&start.encode(), pages).unwrap(), start);
         let ack = ResumeAck { missing };
         prop_assert_eq!(ResumeAck::decode(&ack.encode(), pages).unwrap(), ack);

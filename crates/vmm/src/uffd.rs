@@ -284,6 +284,22 @@ impl PageFaults {
             .map_err(op("UFFDIO_UNREGISTER"))
     }
 
+    /// Makes the missing pages unresolvable for as long as the mapping
+    /// lives: a post-copy that failed must never let its guest read a page
+    /// it lacks as zeros. Closing the last descriptor of a userfaultfd
+    /// would let the kernel zero-fill them, so one is kept open (a
+    /// descriptor, not the memory: unmapping the guest ends the
+    /// registration). A vCPU that touches a missing page waits until the
+    /// VM is dropped.
+    pub fn freeze(&self) -> Result<(), FaultError> {
+        // SAFETY: the descriptor is this object's own open userfaultfd; it
+        // is only borrowed for the duplication.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.uffd.as_raw_fd()) };
+        let kept = fd.try_clone_to_owned().map_err(|e| FaultError::Op { what: "dup", detail: e.to_string() })?;
+        std::mem::forget(kept);
+        Ok(())
+    }
+
     /// Counts and service times so far.
     pub fn stats(&self) -> FaultStats {
         let latencies = self.latencies.lock().unwrap();

@@ -12,6 +12,8 @@ use std::io::{Read, Write};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+
+use crossbeam_channel::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
 use tsubame_vmm::memory::{self, GuestMemory};
@@ -22,8 +24,11 @@ use vm_memory::bitmap::AtomicBitmap;
 use super::error::ReceiveError;
 use crate::digest::{page_hash, region_hashes, zero_page_hash};
 use crate::protocol::pages::{for_each_record, Encoding};
-use crate::protocol::{self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, ReceiverState, WireError};
+use crate::protocol::{
+    self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, ReceiverState, Resume, ResumeAck, WireError,
+};
 use crate::stats::process_cpu_seconds;
+use crate::transport::{Listener, Security, Stream};
 
 /// A channel back to the source, shared by the receiver and the fault
 /// thread.
@@ -40,6 +45,8 @@ pub struct PostcopyOutcome {
     pub guest_ops_per_sec: f64,
     /// The phase's length.
     pub duration: Duration,
+    /// Times a cut link came back.
+    pub resumes: u64,
 }
 
 /// The guest's progress counter, with where it stood when watching began.
@@ -66,6 +73,12 @@ pub(super) struct PostcopyShared {
     guest_ops: Mutex<Option<GuestOps>>,
     started: Instant,
     cpu_at_start: f64,
+    /// False while the link to the source is cut.
+    link_up: AtomicBool,
+    /// How long a cut link is waited for.
+    timeout: Duration,
+    /// Times the link came back.
+    resumes: AtomicU64,
 }
 
 impl PostcopyShared {
@@ -76,6 +89,7 @@ impl PostcopyShared {
         missing: &DirtyBitmap,
         held_hashes: Vec<u64>,
         back: BackChannel,
+        timeout: Duration,
     ) -> Result<Arc<PostcopyShared>, ReceiveError> {
         let faults = PageFaults::register(&mem).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
         faults.discard_set(missing).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
@@ -100,6 +114,9 @@ impl PostcopyShared {
             guest_ops: Mutex::new(None),
             started: Instant::now(),
             cpu_at_start: process_cpu_seconds(),
+            link_up: AtomicBool::new(true),
+            timeout,
+            resumes: AtomicU64::new(0),
         }))
     }
 
@@ -151,15 +168,22 @@ impl PostcopyShared {
         self.settled.1.notify_all();
     }
 
-    /// Ends the phase with a failure (the first one counts).
+    /// Ends the phase with a failure (the first one counts). The missing
+    /// pages stay unresolvable: the guest blocks on them rather than read
+    /// zeros (the VM is lost, never corrupted).
     pub(super) fn fail(&self, why: String) {
         self.failure.lock().unwrap().get_or_insert(why);
+        if self.remaining.load(Ordering::Acquire) > 0 {
+            let _ = self.faults.freeze();
+        }
         self.stop.store(true, Ordering::Release);
         self.settle();
     }
 
     /// Serves faults until every page is here or the phase fails: asks the
-    /// source for missing pages, installs known-zero ones.
+    /// source for missing pages, installs known-zero ones. While the link
+    /// is cut the asked-for pages wait in `requested`; they are asked
+    /// again when it comes back.
     fn fault_loop(&self) {
         let mut faults = Vec::new();
         let mut ask = Vec::new();
@@ -183,33 +207,40 @@ impl PostcopyShared {
                     }
                 }
             }
-            for chunk in ask.chunks(protocol::messages::MAX_REQUEST) {
-                let request = PageRequest { pages: chunk.to_vec() }.encode();
-                let mut back = self.back.lock().unwrap();
-                if let Err(e) =
-                    protocol::write_frame(&mut *back, FrameKind::PageRequest, &request).and_then(|_| back.flush())
-                {
-                    drop(back);
-                    self.fail(format!("link to the source lost while asking for pages: {e}"));
-                    return;
-                }
-                self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            if !ask.is_empty() && self.link_up.load(Ordering::Acquire) {
+                // A failed ask is a cut link: channel 0's reader reports
+                // it and the phase waits for it to come back.
+                let _ = self.ask(&ask);
             }
             ask.clear();
         }
     }
 
-    /// Waits until every page is here (or the phase failed).
-    fn wait_settled(&self) -> Result<(), String> {
-        let mut settled = self.settled.0.lock().unwrap();
-        while !*settled {
-            settled = self.settled.1.wait(settled).unwrap();
+    /// Asks the source for `pages`.
+    fn ask(&self, pages: &[u64]) -> std::io::Result<()> {
+        let mut back = self.back.lock().unwrap();
+        for chunk in pages.chunks(protocol::messages::MAX_REQUEST) {
+            let request = PageRequest { pages: chunk.to_vec() }.encode();
+            protocol::write_frame(&mut *back, FrameKind::PageRequest, &request)?;
+            self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
-        drop(settled);
-        match self.failure.lock().unwrap().clone() {
-            Some(why) => Err(why),
-            None => Ok(()),
+        back.flush()
+    }
+
+    /// True when every page is here (or the phase failed).
+    fn settled(&self) -> bool {
+        *self.settled.0.lock().unwrap()
+    }
+
+    /// The pages still missing.
+    fn missing_now(&self) -> DirtyBitmap {
+        let mut missing = DirtyBitmap::new(self.pages);
+        for p in 0..self.pages {
+            if self.missing.is_bit_set(p as usize) {
+                missing.set(p);
+            }
         }
+        missing
     }
 
     /// The digest of memory as received, from every page's hash.
@@ -250,42 +281,138 @@ impl PostcopyHandle {
     }
 }
 
+/// How a cut link comes back: the source reconnects to this listener and
+/// names its session.
+pub(super) struct Reconnect {
+    /// A handle on the listener the migration came in on.
+    pub(super) listener: Listener,
+    /// What a reconnecting source must pass.
+    pub(super) security: Security,
+    /// The migration's HELLO session.
+    pub(super) session: u64,
+    /// The request connection's channel number.
+    pub(super) urgent_channel: u16,
+}
+
+/// What channel 0's reader threads and the acceptor tell the phase.
+enum Event {
+    Frame(FrameKind, Vec<u8>),
+    /// Channel 0 of the given link (0 first, 1 after the first resume...)
+    /// broke.
+    Lost(u64, String),
+    /// A reconnected channel 0: its stream.
+    Resumed(Stream),
+}
+
+/// Reads channel 0's frames on a thread of its own, so the phase can wait
+/// for frames, a reconnection and its deadlines at once.
+fn spawn_reader(mut reader: Box<dyn Read + Send>, link: u64, events: Sender<Event>) {
+    let _ = std::thread::Builder::new().name("postcopy-ch0".into()).spawn(move || loop {
+        let mut frame = Vec::new();
+        match protocol::read_frame(&mut reader, &mut frame) {
+            Ok(kind) => {
+                if events.send(Event::Frame(kind, frame)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = events.send(Event::Lost(link, format!("link to the source lost: {e}")));
+                return;
+            }
+        }
+    });
+}
+
+/// Reads a request connection's POSTCOPY_PAGES until it closes.
+fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
+    let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+        let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
+        let mut frame = Vec::new();
+        while !shared.stop.load(Ordering::Acquire) {
+            match protocol::read_frame(&mut reader, &mut frame) {
+                Ok(FrameKind::PostcopyPages) => {
+                    if let Err(e) = shared.install_frame(&frame) {
+                        shared.fail(format!("request connection: {e}"));
+                    }
+                }
+                Ok(other) => shared.fail(format!("request connection: unexpected {other:?}")),
+                // The source closes it when done; channel 0 tells a cut.
+                Err(_) => return,
+            }
+        }
+    });
+}
+
+/// Takes reconnections: a RESUME of channel 0 goes to the phase (after
+/// RESUME_ACK with the pages still missing), one of the request channel
+/// gets a reader; anything else is refused.
+fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, events: Sender<Event>) {
+    let _ = std::thread::Builder::new().name("postcopy-accept".into()).spawn(move || {
+        let stop = || shared.stop.load(Ordering::Acquire);
+        while !stop() {
+            let Ok(Some(stream)) = reconnect.listener.accept_until(&stop) else { continue };
+            let Ok(stream) = reconnect.security.accepted(stream) else { continue };
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+            let result = (|| -> Result<Option<Stream>, ReceiveError> {
+                let mut io = stream.try_clone()?;
+                protocol::read_preamble(&mut io)?;
+                protocol::write_preamble(&mut io, protocol::VERSION)?;
+                let mut frame = Vec::new();
+                let resume = match protocol::read_frame(&mut io, &mut frame)? {
+                    FrameKind::Resume => Resume::decode(&frame)?,
+                    other => return Err(WireError::Unexpected { got: other, expected: "RESUME" }.into()),
+                };
+                if resume.session != reconnect.session {
+                    let refusal = ErrorMessage("no post-copy migration of that session here".into()).encode();
+                    let _ = protocol::write_frame(&mut io, FrameKind::Error, &refusal);
+                    return Ok(None);
+                }
+                if resume.channel == reconnect.urgent_channel {
+                    spawn_urgent(shared.clone(), stream.try_clone()?);
+                    return Ok(None);
+                }
+                let ack = ResumeAck { missing: shared.missing_now() }.encode();
+                protocol::write_frame(&mut io, FrameKind::ResumeAck, &ack)?;
+                io.flush()?;
+                Ok(Some(stream.try_clone()?))
+            })();
+            if let Ok(Some(stream)) = result {
+                let _ = stream.set_read_timeout(None);
+                if events.send(Event::Resumed(stream)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+}
+
 /// Runs the post-copy phase on its threads: faults, channel 0 (pages,
-/// the digest), the request connection. `digest_region` as in HELLO.
+/// the digest), the request connection, and taking back a cut link.
 pub(super) fn run(
     shared: Arc<PostcopyShared>,
-    mut channel0: Box<dyn Read + Send>,
-    urgent: Option<crate::transport::Stream>,
+    channel0: Box<dyn Read + Send>,
+    urgent: Option<Stream>,
     digest_region: u32,
+    reconnect: Option<Reconnect>,
 ) -> PostcopyHandle {
     let faults = {
         let shared = shared.clone();
         std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || shared.fault_loop())
     };
     if let Some(stream) = urgent {
-        let shared = shared.clone();
-        let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
-            let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
-            let mut frame = Vec::new();
-            while !shared.stop.load(Ordering::Acquire) {
-                match protocol::read_frame(&mut reader, &mut frame) {
-                    Ok(FrameKind::PostcopyPages) => {
-                        if let Err(e) = shared.install_frame(&frame) {
-                            shared.fail(format!("request connection: {e}"));
-                        }
-                    }
-                    Ok(other) => shared.fail(format!("request connection: unexpected {other:?}")),
-                    // The source closes it when done; channel 0 tells a cut.
-                    Err(_) => return,
-                }
-            }
-        });
+        spawn_urgent(shared.clone(), stream);
+    }
+    let (events_tx, events) = crossbeam_channel::unbounded();
+    spawn_reader(channel0, 0, events_tx.clone());
+    let can_resume = reconnect.is_some();
+    if let Some(reconnect) = reconnect {
+        spawn_acceptor(shared.clone(), reconnect, events_tx.clone());
     }
     let main = shared.clone();
     let thread = std::thread::Builder::new()
         .name("postcopy".into())
         .spawn(move || {
-            let result = channel0_loop(&main, &mut *channel0, digest_region);
+            let result = phase(&main, &events, &events_tx, digest_region, can_resume);
             main.stop.store(true, Ordering::Release);
             if let Ok(handle) = faults {
                 let _ = handle.join();
@@ -296,30 +423,79 @@ pub(super) fn run(
     PostcopyHandle { shared, thread }
 }
 
-/// Channel 0 during post-copy: pages and the source's digest; then the
+/// The phase: pages and the source's digest from channel 0 (and from
+/// channel 0 again after a cut), until every page is here; then the
 /// comparison and POSTCOPY_DONE.
-fn channel0_loop(shared: &PostcopyShared, reader: &mut dyn Read, region: u32) -> Result<PostcopyOutcome, ReceiveError> {
-    let lost = |why: String| {
+fn phase(
+    shared: &PostcopyShared,
+    events: &Receiver<Event>,
+    events_tx: &Sender<Event>,
+    region: u32,
+    can_resume: bool,
+) -> Result<PostcopyOutcome, ReceiveError> {
+    let fail = |why: String| {
         shared.fail(why.clone());
         ReceiveError::Postcopy(why)
     };
-    let mut frame = Vec::new();
     let regions = (shared.pages * PAGE_SIZE as u64).div_ceil(region as u64) as usize;
-    let theirs = loop {
-        let kind =
-            protocol::read_frame(reader, &mut frame).map_err(|e| lost(format!("link to the source lost: {e}")))?;
-        if kind == FrameKind::Error {
-            return Err(lost(format!("the source gave up: {}", ErrorMessage::decode(&frame).0)));
+    let mut theirs = None;
+    let mut cut_at: Option<(Instant, String)> = None;
+    // Which link is current: a late report that an older one broke (its
+    // reader noticed after the source had reconnected) is no cut.
+    let mut link = 0u64;
+    loop {
+        if shared.settled() {
+            if let Some(why) = shared.failure.lock().unwrap().clone() {
+                return Err(ReceiveError::Postcopy(why));
+            }
+            if theirs.is_some() && cut_at.is_none() {
+                break;
+            }
         }
-        ReceiverState::Postcopy.check(kind).map_err(|e| lost(e.to_string()))?;
-        match kind {
-            FrameKind::PostcopyPages => shared.install_frame(&frame).map_err(|e| lost(e.to_string()))?,
-            _ => break Digest::decode(&frame, region, regions).map_err(|e| lost(e.to_string()))?,
+        if let Some((at, why)) = &cut_at {
+            if at.elapsed() > shared.timeout {
+                return Err(fail(format!("{why}, and it did not come back within {} s", shared.timeout.as_secs())));
+            }
         }
-    };
-    shared.wait_settled().map_err(ReceiveError::Postcopy)?;
+        match events.recv_timeout(Duration::from_millis(100)) {
+            Ok(Event::Frame(kind, frame)) => {
+                if kind == FrameKind::Error {
+                    return Err(fail(format!("the source gave up: {}", ErrorMessage::decode(&frame).0)));
+                }
+                ReceiverState::Postcopy.check(kind).map_err(|e| fail(e.to_string()))?;
+                match kind {
+                    FrameKind::PostcopyPages => shared.install_frame(&frame).map_err(|e| fail(e.to_string()))?,
+                    _ => theirs = Some(Digest::decode(&frame, region, regions).map_err(|e| fail(e.to_string()))?),
+                }
+            }
+            Ok(Event::Lost(of, _)) if of != link => {}
+            Ok(Event::Lost(_, why)) => {
+                if !can_resume {
+                    return Err(fail(why));
+                }
+                shared.link_up.store(false, Ordering::Release);
+                cut_at.get_or_insert((Instant::now(), why));
+            }
+            Ok(Event::Resumed(stream)) => {
+                // The source sends what is missing and its digest again.
+                let reader = Box::new(std::io::BufReader::with_capacity(1 << 20, stream.try_clone()?));
+                *shared.back.lock().unwrap() = Box::new(stream);
+                link += 1;
+                spawn_reader(reader, link, events_tx.clone());
+                shared.resumes.fetch_add(1, Ordering::Relaxed);
+                cut_at = None;
+                shared.link_up.store(true, Ordering::Release);
+                let asked: Vec<u64> = shared.requested.lock().unwrap().iter().copied().collect();
+                if !asked.is_empty() && shared.ask(&asked).is_err() {
+                    shared.link_up.store(false, Ordering::Release);
+                }
+            }
+            Err(_) => {}
+        }
+    }
+    let theirs = theirs.expect("checked above");
     let ours = shared.digest(region);
-    let mismatched = theirs.differing(&ours).len() as u32;
+    let differing = theirs.differing(&ours);
     let stats = shared.faults.stats();
     let duration = shared.started.elapsed();
     let guest_ops_per_sec = match &*shared.guest_ops.lock().unwrap() {
@@ -328,7 +504,7 @@ fn channel0_loop(shared: &PostcopyShared, reader: &mut dyn Read, region: u32) ->
     };
     let requested = shared.requests_sent.load(Ordering::Relaxed);
     let done = PostcopyDone {
-        mismatched,
+        mismatched: differing.len() as u32,
         faults: stats.faults,
         requested,
         latency_p50_us: stats.latency_p50_us,
@@ -341,12 +517,13 @@ fn channel0_loop(shared: &PostcopyShared, reader: &mut dyn Read, region: u32) ->
         let mut back = shared.back.lock().unwrap();
         let _ = protocol::write_frame(&mut *back, FrameKind::PostcopyDone, &done.encode()).and_then(|_| back.flush());
     }
-    if mismatched > 0 {
+    if let Some(&first) = differing.first() {
         return Err(ReceiveError::DigestMismatch {
-            count: mismatched as usize,
+            count: differing.len(),
             total: ours.len(),
-            first: theirs.differing(&ours)[0] as u64 * region as u64,
+            first: first as u64 * region as u64,
         });
     }
-    Ok(PostcopyOutcome { faults: stats, requested, guest_ops_per_sec, duration })
+    let resumes = shared.resumes.load(Ordering::Relaxed);
+    Ok(PostcopyOutcome { faults: stats, requested, guest_ops_per_sec, duration, resumes })
 }

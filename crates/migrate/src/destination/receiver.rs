@@ -6,6 +6,7 @@
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use tsubame_codec::{CodecList, PageDecoder};
@@ -16,7 +17,7 @@ use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, Shar
 use super::error::ReceiveError;
 use super::landing::Landing;
 use super::options::ReceiveOptions;
-use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared};
+use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use crate::buffer_budget::BufferBudget;
 use crate::digest::BackgroundDigest;
 use crate::protocol::messages::expect_empty;
@@ -171,18 +172,34 @@ impl<'a> StreamReceiver<'a> {
                 self.next(&mut reader)?;
                 let state = std::mem::take(&mut self.frame.buf);
                 let held = held.expect("hashed for post-copy");
-                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone())?;
+                let timeout = Duration::from_millis(start.timeout_ms as u64);
+                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout)?;
                 let _ = shared.postcopy.set(postcopy.clone());
                 landing.restore(&state)?;
                 landing.start_postcopy()?;
                 let running = PostcopyRunning { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
-                write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()))?;
+                // The VM runs here from now on, whether this reaches the
+                // source or not: a cut link shows on channel 0's reader and
+                // the phase waits for the source to come back.
+                let _ =
+                    write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()));
                 self.state = ReceiverState::Postcopy;
                 (self.log)(&format!(
                     "post-copy: the VM runs here; {} pages to come from the source",
                     start.missing.count()
                 ));
-                let handle = postcopy::run(postcopy, reader, urgent, hello.digest_region);
+                // A cut link comes back through the listener the
+                // migration came in on.
+                let reconnect = match channels.and_then(|c| c.listener) {
+                    Some(listener) => Some(Reconnect {
+                        listener: listener.try_clone()?,
+                        security: self.options.security.clone(),
+                        session: hello.session,
+                        urgent_channel: hello.channels,
+                    }),
+                    None => None,
+                };
+                let handle = postcopy::run(postcopy, reader, urgent, hello.digest_region, reconnect);
                 Ok(Outcome { iterations: self.iterations, postcopy: Some(handle) })
             }
         }

@@ -315,16 +315,20 @@ pub struct PostcopyStart {
     /// The last pre-copy iteration whose pages came before this frame on
     /// every channel, if any did.
     pub last_iteration: Option<u32>,
+    /// How long either end waits for a cut link to come back, ms.
+    pub timeout_ms: u32,
     /// The pages the destination must not use: stale or never sent.
     pub missing: DirtyBitmap,
 }
 
 impl PostcopyStart {
-    /// Serializes the payload: `last_iteration u32` (all ones: none), then
-    /// the bitmap (`pages u64`, one bit per page in u64 words).
+    /// Serializes the payload: `last_iteration u32` (all ones: none),
+    /// `timeout_ms u32`, then the bitmap (`pages u64`, one bit per page in
+    /// u64 words).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(12 + self.missing.words().len() * 8);
+        let mut out = Vec::with_capacity(16 + self.missing.words().len() * 8);
         out.extend_from_slice(&self.last_iteration.unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&self.timeout_ms.to_le_bytes());
         put_bitmap(&mut out, &self.missing);
         out
     }
@@ -333,9 +337,10 @@ impl PostcopyStart {
     pub fn decode(payload: &[u8], pages: u64) -> Result<PostcopyStart, WireError> {
         let mut f = Fields::new(FrameKind::Postcopy, payload);
         let last = f.u32()?;
+        let timeout_ms = f.u32()?;
         let missing = bitmap(&mut f, "postcopy.pages", pages)?;
         f.finish()?;
-        Ok(PostcopyStart { last_iteration: (last != u32::MAX).then_some(last), missing })
+        Ok(PostcopyStart { last_iteration: (last != u32::MAX).then_some(last), timeout_ms, missing })
     }
 }
 

@@ -32,7 +32,6 @@ pub use vm::SourceVm;
 use self::encode::EncoderSetup;
 use self::engine::{Engine, EngineSetup};
 use self::policy::PrecopyPolicy;
-use self::precopy::PrecopyEnd;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
 use crate::digest;
@@ -69,6 +68,8 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         policy: PrecopyPolicy::default(),
         urgent: None,
         pacer: None,
+        to: to.clone(),
+        session: session_id(),
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -139,6 +140,15 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// One migration in progress: the source's state machine.
+/// How pre-copy ended.
+enum PrecopyEnd {
+    /// Stop the guest and send the rest (`self.pending`).
+    StopAndCopy,
+    /// Hand over to post-copy: the destination lacks `missing` (stale or
+    /// never sent); `last_iteration` is the last one ended on every channel.
+    Postcopy { missing: DirtyBitmap, last_iteration: Option<u32> },
+}
+
 struct SourceRun<'a> {
     vm: &'a dyn SourceVm,
     options: &'a MigrateOptions,
@@ -162,6 +172,10 @@ struct SourceRun<'a> {
     urgent: Option<Stream>,
     /// The data channels' shared pacer.
     pacer: Option<Arc<Pacer>>,
+    /// Where the VM goes (a post-copy resume may name another address).
+    to: Address,
+    /// Names this migration on its extra channels and on a resume.
+    session: u64,
 }
 
 impl SourceRun<'_> {
@@ -232,7 +246,7 @@ impl SourceRun<'_> {
 
         protocol::write_preamble(&mut writer, protocol::VERSION)?;
         protocol::read_preamble(reader)?;
-        let session = session_id();
+        let session = self.session;
         let hello = Hello {
             memory_bytes: self.vm.memory_bytes(),
             page_size: PAGE_SIZE as u32,

@@ -24,11 +24,11 @@ use super::{ms, SourceError, SourceRun};
 use crate::protocol::messages::MAX_REQUEST;
 use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::{
-    self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, SourceState,
-    WireError,
+    self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, Resume,
+    ResumeAck, SourceState, WireError,
 };
 use crate::stats::PostcopyStats;
-use crate::transport::Stream;
+use crate::transport::{Metered, Stream, TransportError};
 
 /// Pages one background push takes at a time: small, so an asked-for page
 /// never waits long for the pusher to look at the requests.
@@ -143,7 +143,8 @@ impl SourceRun<'_> {
         }
         let mut writers = self.finish_engine();
         let pages = missing.count();
-        let start = PostcopyStart { last_iteration, missing: missing.clone() };
+        let timeout_ms = self.options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
+        let start = PostcopyStart { last_iteration, timeout_ms, missing: missing.clone() };
         let blob = vm.state_blob()?;
         {
             let w = &mut writers[0];
@@ -157,42 +158,30 @@ impl SourceRun<'_> {
             Some(PostcopyStats { started_at_ms: started_ms, pages_missing: pages, ..Default::default() });
         self.stats.stop_reason = crate::stats::StopReason::Postcopy;
 
-        let reader = self.reader.take().expect("connected");
-        let (heard_tx, heard) = unbounded();
-        let (requests_tx, requests) = unbounded::<Vec<u64>>();
-        let reader_thread = spawn_reader(reader, vm.memory_bytes() / PAGE_SIZE as u64, heard_tx.clone(), requests_tx);
+        let counters = Counters::default();
         let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0 }));
-        let urgent_sent = Arc::new(AtomicU64::new(0));
-        let urgent_bytes = Arc::new(AtomicU64::new(0));
-        let urgent = self.urgent.take().map(|stream| {
-            let server = UrgentServer {
-                writer: BufWriter::with_capacity(256 << 10, stream),
-                outstanding: outstanding.clone(),
-                sent: urgent_sent.clone(),
-                bytes: urgent_bytes.clone(),
-            };
-            let vm_pages = VmPages::of(vm);
-            let heard = heard_tx.clone();
-            std::thread::Builder::new()
-                .name("postcopy-urgent".into())
-                .spawn(move || server.run(vm_pages, requests, heard))
-                .expect("spawn post-copy request server")
-        });
+        let reader = self.reader.take().expect("connected");
+        let urgent = self.urgent.take();
+        let mut link = Link::start(vm, writers, reader, urgent, &outstanding, &counters);
 
         // The destination runs the VM once it says so: the downtime ends.
-        match heard.recv_timeout(self.options.io_timeout) {
+        // (A cut link here is taken back like any other: a destination
+        // takes a RESUME only once it runs the VM.)
+        let mut resumes = 0;
+        match link.heard.recv_timeout(self.options.io_timeout) {
             Ok(Heard::Running(running)) => {
-                self.stats.downtime_ms = ms(paused.elapsed());
                 self.stats.cpu_seconds.destination = running.cpu_micros as f64 / 1e6;
             }
-            Ok(Heard::Refused(reason)) => {
-                return Err(SourceError::PostcopyLost(format!("destination refused: {reason}")))
+            Ok(Heard::Lost(why)) => {
+                self.enter(SourceState::PostcopyPaused);
+                link = self.reconnect(&why, &outstanding, &counters)?;
+                resumes += 1;
+                self.enter(SourceState::Postcopy);
             }
-            Ok(Heard::Lost(why)) => return Err(SourceError::PostcopyLost(why)),
-            Ok(Heard::Done(_)) | Err(_) => {
-                return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into()))
-            }
+            Ok(other) => return Err(self.postcopy_failure(other)),
+            Err(_) => return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into())),
         }
+        self.stats.downtime_ms = ms(paused.elapsed());
 
         // Push the rest, a little under the link's rate.
         let bandwidth = self.policy.bandwidth_for(self.options);
@@ -202,49 +191,24 @@ impl SourceRun<'_> {
             }
         }
         let mut frames = PageFrames::new();
-        let mut pushed = 0u64;
-        let mut next = 0usize;
-        loop {
-            if let Ok(event) = heard.try_recv() {
-                return Err(self.postcopy_failure(event));
-            }
-            let batch = outstanding.lock().unwrap().take(PUSH_PAGES);
-            if batch.is_empty() {
-                break;
-            }
-            pushed += batch.len() as u64;
-            let bytes = frames.frames(vm, &batch)?;
-            let channels = writers.len();
-            let w = &mut writers[next % channels];
-            next += 1;
-            if let Err(e) = w.write_all(bytes) {
-                return Err(SourceError::PostcopyLost(format!("link lost while pushing pages: {e}")));
-            }
-        }
-        for w in &mut writers {
-            w.flush().map_err(|e| SourceError::PostcopyLost(format!("link lost while pushing pages: {e}")))?;
-        }
-        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
-        let digest = Digest { region: self.options.digest_region, hashes };
-        write_frame_flushed(&mut writers[0], FrameKind::Digest, &digest.encode())
-            .map_err(|e| SourceError::PostcopyLost(format!("link lost before the digest went out: {e}")))?;
-
         let done = loop {
-            match heard.recv_timeout(Duration::from_secs(1)) {
-                Ok(Heard::Done(done)) => break done,
-                Ok(other) => return Err(self.postcopy_failure(other)),
-                Err(_) if reader_thread.is_finished() => {
-                    return Err(SourceError::PostcopyLost("the destination went silent".into()))
+            match self.push_until_done(&mut link, &outstanding, &mut frames, &counters) {
+                Ok(done) => break done,
+                Err(Heard::Lost(why)) => {
+                    // Both ends keep what they have and wait for the link.
+                    self.enter(SourceState::PostcopyPaused);
+                    link = self.reconnect(&why, &outstanding, &counters)?;
+                    resumes += 1;
+                    self.enter(SourceState::Postcopy);
                 }
-                Err(_) => continue,
+                Err(other) => return Err(self.postcopy_failure(other)),
             }
         };
-        drop(writers);
-        drop(urgent);
+        drop(link);
         let stats = self.stats.postcopy.as_mut().expect("set at the switch");
         stats.duration_ms = ms(self.start.elapsed()) - started_ms;
-        stats.pages_pushed = pushed;
-        stats.pages_sent_on_request = urgent_sent.load(Ordering::Relaxed);
+        stats.pages_pushed = counters.pushed.load(Ordering::Relaxed);
+        stats.pages_sent_on_request = counters.urgent_pages.load(Ordering::Relaxed);
         stats.pages_zero = frames.zero;
         stats.pages_requested = done.requested;
         stats.faults = done.faults;
@@ -252,14 +216,136 @@ impl SourceRun<'_> {
         stats.fault_latency_p99_us = done.latency_p99_us;
         stats.fault_latency_max_us = done.latency_max_us;
         stats.guest_ops_per_sec = done.guest_ops_per_sec;
+        stats.resumes = resumes;
         self.stats.cpu_seconds.destination += done.cpu_micros as f64 / 1e6;
-        self.stats.pages_sent += pushed + stats.pages_sent_on_request;
-        self.stats.bytes_on_wire = self.pacer.as_ref().map_or(0, |p| p.bytes()) + urgent_bytes.load(Ordering::Relaxed);
+        self.stats.pages_sent += stats.pages_pushed + stats.pages_sent_on_request;
+        self.stats.bytes_on_wire =
+            self.pacer.as_ref().map_or(0, |p| p.bytes()) + counters.urgent_bytes.load(Ordering::Relaxed);
         if done.mismatched > 0 {
             return Err(SourceError::PostcopyCorrupt(done.mismatched));
         }
         self.stats.digest_verified = true;
         Ok(())
+    }
+
+    /// Pushes every page not sent yet, then the digest, and waits for the
+    /// destination to hold them all. A cut link or a refusal comes back as
+    /// what was heard.
+    fn push_until_done(
+        &mut self,
+        link: &mut Link,
+        outstanding: &Mutex<Outstanding>,
+        frames: &mut PageFrames,
+        counters: &Counters,
+    ) -> Result<PostcopyDone, Heard> {
+        let vm = self.vm;
+        let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
+        let mut next = 0usize;
+        loop {
+            if let Ok(event) = link.heard.try_recv() {
+                return Err(event);
+            }
+            let batch = outstanding.lock().unwrap().take(PUSH_PAGES);
+            if batch.is_empty() {
+                break;
+            }
+            counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+            let bytes = frames.frames(vm, &batch).map_err(|e| Heard::Refused(e.to_string()))?;
+            let channels = link.writers.len();
+            link.writers[next % channels].write_all(bytes).map_err(lost)?;
+            next += 1;
+        }
+        for w in &mut link.writers {
+            w.flush().map_err(lost)?;
+        }
+        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
+        let digest = Digest { region: self.options.digest_region, hashes };
+        write_frame_flushed(&mut link.writers[0], FrameKind::Digest, &digest.encode()).map_err(lost)?;
+        loop {
+            match link.heard.recv_timeout(Duration::from_secs(1)) {
+                Ok(Heard::Done(done)) => return Ok(done),
+                Ok(other) => return Err(other),
+                Err(_) if link.reader.is_finished() => return Err(Heard::Lost("the destination went silent".into())),
+                Err(_) => continue,
+            }
+        }
+    }
+
+    /// Reconnects to the destination after a cut, trying every half second
+    /// (or at once when `tsubame migrate --resume` asks) until
+    /// `--postcopy-timeout` has passed: then the VM is lost.
+    fn reconnect(
+        &mut self,
+        why: &str,
+        outstanding: &Arc<Mutex<Outstanding>>,
+        counters: &Counters,
+    ) -> Result<Link, SourceError> {
+        let vm = self.vm;
+        let deadline = Instant::now() + self.options.postcopy_timeout;
+        loop {
+            let asked = self.progress.take_resume_request();
+            if let Some((Some(to), _)) = &asked {
+                self.to = to.clone();
+            }
+            match self.resume_link(outstanding) {
+                Ok((writers, reader, urgent)) => {
+                    if let Some((_, reply)) = asked {
+                        let _ = reply.send(Ok(()));
+                    }
+                    return Ok(Link::start(vm, writers, reader, urgent, outstanding, counters));
+                }
+                Err(e) => {
+                    if let Some((_, reply)) = asked {
+                        let _ = reply.send(Err(format!("cannot resume: {e}")));
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(SourceError::PostcopyLost(format!(
+                            "{why}; the destination did not come back within {} s ({e})",
+                            self.options.postcopy_timeout.as_secs()
+                        )));
+                    }
+                    self.progress.wait_resume_request(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+
+    /// One attempt: channel 0 again (RESUME, RESUME_ACK: what the
+    /// destination still lacks), then the request connection.
+    fn resume_link(&mut self, outstanding: &Mutex<Outstanding>) -> Result<Connections, SourceError> {
+        let options = self.options;
+        let stream = Stream::connect_with(&self.to, Duration::from_secs(1), &options.security)?;
+        stream.set_read_timeout(Some(options.io_timeout))?;
+        let mut io = stream.try_clone()?;
+        protocol::write_preamble(&mut io, protocol::VERSION)?;
+        write_frame_flushed(&mut io, FrameKind::Resume, &Resume { session: self.session, channel: 0 }.encode())?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        protocol::read_preamble(&mut reader)?;
+        let mut frame = Vec::new();
+        let pages = memory::page_count(self.vm.memory());
+        match protocol::read_frame(&mut reader, &mut frame)? {
+            FrameKind::ResumeAck => {
+                let ack = ResumeAck::decode(&frame, pages)?;
+                let mut outstanding = outstanding.lock().unwrap();
+                outstanding.unsent = ack.missing;
+                outstanding.cursor = 0;
+            }
+            FrameKind::Error => return Err(SourceError::Refused(ErrorMessage::decode(&frame).0)),
+            other => return Err(WireError::Unexpected { got: other, expected: "RESUME_ACK" }.into()),
+        }
+        let pacer = self.pacer.clone().expect("set at setup");
+        let writers = vec![BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer))];
+        let urgent = Stream::connect_with(&self.to, Duration::from_secs(1), &options.security).and_then(|s| {
+            let mut io = s.try_clone().map_err(|e| TransportError::Connect(self.to.to_string(), e))?;
+            let channel = options.channels;
+            protocol::write_preamble(&mut io, protocol::VERSION)
+                .and_then(|_| {
+                    write_frame_flushed(&mut io, FrameKind::Resume, &Resume { session: self.session, channel }.encode())
+                })
+                .map_err(|e| TransportError::Connect(self.to.to_string(), e))?;
+            Ok(s)
+        });
+        Ok((writers, reader, urgent.ok()))
     }
 
     /// The error for what the destination said or did instead of finishing.
@@ -269,6 +355,56 @@ impl SourceRun<'_> {
             Heard::Lost(why) => SourceError::PostcopyLost(why),
             Heard::Running(_) | Heard::Done(_) => SourceError::PostcopyLost("the destination spoke out of turn".into()),
         }
+    }
+}
+
+/// A post-copy link's connections: the data channels' writers, channel
+/// 0's reader, the request connection.
+type Connections = (Vec<super::send::Writer>, BufReader<Stream>, Option<Stream>);
+
+/// What went out since the switch, counted across links.
+#[derive(Default)]
+struct Counters {
+    pushed: AtomicU64,
+    urgent_pages: Arc<AtomicU64>,
+    urgent_bytes: Arc<AtomicU64>,
+}
+
+/// The connections of the post-copy phase and the threads on them: the
+/// data channels (pushed pages), the reader of channel 0 (requests and
+/// replies) and the request server on its own connection.
+struct Link {
+    writers: Vec<super::send::Writer>,
+    heard: Receiver<Heard>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl Link {
+    fn start(
+        vm: &dyn SourceVm,
+        writers: Vec<super::send::Writer>,
+        reader: BufReader<Stream>,
+        urgent: Option<Stream>,
+        outstanding: &Arc<Mutex<Outstanding>>,
+        counters: &Counters,
+    ) -> Link {
+        let (heard_tx, heard) = unbounded();
+        let (requests_tx, requests) = unbounded::<Vec<u64>>();
+        let pages = memory::page_count(vm.memory());
+        let reader = spawn_reader(reader, pages, heard_tx.clone(), requests_tx);
+        if let Some(stream) = urgent {
+            let server = UrgentServer {
+                writer: BufWriter::with_capacity(256 << 10, stream),
+                outstanding: outstanding.clone(),
+                sent: counters.urgent_pages.clone(),
+                bytes: counters.urgent_bytes.clone(),
+            };
+            let memory = VmPages::of(vm);
+            let _ = std::thread::Builder::new()
+                .name("postcopy-urgent".into())
+                .spawn(move || server.run(memory, requests, heard_tx));
+        }
+        Link { writers, heard, reader }
     }
 }
 

@@ -8,7 +8,7 @@ use tsubame_vmm::DirtyBitmap;
 
 use super::fetch::Fetcher;
 use super::policy::{strided, Decision, HandoverWatch};
-use super::{ms, SourceError, SourceRun};
+use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
 use crate::protocol::SourceState;
@@ -19,15 +19,6 @@ use crate::stats::IterationStats;
 /// at ~8 GB/s on this 2-core host (4 GiB in 508 ms), so less than this
 /// costs the downtime under ~60 ms.
 const DIGEST_LAG_PAGES: u64 = 131_072;
-
-/// How pre-copy ended.
-pub(super) enum PrecopyEnd {
-    /// Stop the guest and send the rest (`self.pending`).
-    StopAndCopy,
-    /// Hand over to post-copy: the destination lacks `missing` (stale or
-    /// never sent); `last_iteration` is the last one ended on every channel.
-    Postcopy { missing: DirtyBitmap, last_iteration: Option<u32> },
-}
 
 impl SourceRun<'_> {
     /// Iterations while the guest runs; returns with the VM still running,
