@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from tsubame_bench import HarnessError
 from tsubame_bench.console import (TSC_KHZ_RE, guest_downtime_ms, guest_errors, max_gap_ms, ops_continuous,
-                                   ops_rate, progress_points, switchover)
+                                   ops_done_rate, ops_rate, progress_points, switchover)
 from tsubame_bench.control import control_request
 from tsubame_bench.demo import tsubame_figures
 from tsubame_bench.link import ACTIVE_LINKS, Link, remove_stale_namespaces
@@ -78,6 +78,13 @@ class VmmConfig:
     args: list = field(default_factory=list)  # tsubame: extra `tsubame migrate` arguments
     capabilities: list = field(default_factory=list)  # qemu: migrate-set-capabilities names set to true
     parameters: dict = field(default_factory=dict)  # qemu: extra migrate-set-parameters
+    # qemu post-copy: migrate-start-postcopy after this many completed pre-copy passes, or
+    # seconds, whichever comes first (postcopy-ram is then set on both ends)
+    postcopy_after_passes: int | None = None
+    postcopy_after_s: float | None = None
+
+    def qemu_postcopy(self):
+        return self.postcopy_after_passes is not None or self.postcopy_after_s is not None
 
 
 @dataclass
@@ -131,13 +138,20 @@ def load_case_file(path):
         raise HarnessError(f"{path}: {e}") from None
     configs = {}
     for name, spec in doc.get("configs", {}).items():
-        unknown = set(spec) - {"vmm", "args", "capabilities", "parameters"}
+        keys = {"vmm", "args", "capabilities", "parameters", "postcopy_after_passes", "postcopy_after_s"}
+        unknown = set(spec) - keys
         if unknown or spec.get("vmm") not in ("qemu", "tsubame"):
             raise HarnessError(f"{path}: config {name}: needs vmm = \"qemu\" or \"tsubame\" "
-                               f"and only args/capabilities/parameters (got {sorted(spec)})")
+                               f"and only {'/'.join(sorted(keys - {'vmm'}))} (got {sorted(spec)})")
+        after_passes, after_s = spec.get("postcopy_after_passes"), spec.get("postcopy_after_s")
+        if (after_passes is not None or after_s is not None) and spec["vmm"] != "qemu":
+            raise HarnessError(f"{path}: config {name}: postcopy_after_* is for QEMU; tsubame takes "
+                               f"args = [\"--postcopy\", \"after=N\"] or [\"--postcopy\", \"auto\"]")
         configs[name] = VmmConfig(name=name, vmm=spec["vmm"], args=[str(a) for a in spec.get("args", [])],
                                   capabilities=list(spec.get("capabilities", [])),
-                                  parameters=dict(spec.get("parameters", {})))
+                                  parameters=dict(spec.get("parameters", {})),
+                                  postcopy_after_passes=None if after_passes is None else int(after_passes),
+                                  postcopy_after_s=None if after_s is None else float(after_s))
     defaults = dict(CASE_DEFAULTS)
     defaults["configs"] = list(configs)
     defaults.update(doc.get("defaults", {}))
@@ -217,6 +231,15 @@ class RunResult:
     ops_continuous: bool | None = None
     destination_progress_lines: int = 0
     guest_banner_source: str | None = None
+    # post-copy: when the phase began and how long it lasted (from migration start), the guest's ops/s
+    # at the destination meanwhile, and fault figures (tsubame: service latency; QEMU 7.2 exposes
+    # only the vCPUs' total blocked time, postcopy-blocktime)
+    postcopy_start_s: float | None = None
+    postcopy_duration_s: float | None = None
+    ops_per_sec_postcopy: float | None = None
+    fault_latency_p50_us: float | None = None
+    fault_latency_p99_us: float | None = None
+    postcopy_blocktime_ms: float | None = None
     timeline: dict = field(default_factory=dict)  # {"source": [[t, ops]], "destination": [...]}, t from migration start
     migration_end_s: float | None = None  # from migration start, for the plots
     vmm_stats: dict = field(default_factory=dict)  # the VMM's raw final statistics
@@ -323,6 +346,12 @@ def fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, log_prefi
     if t_dst_first is not None:
         result.ops_per_sec_after = ops_rate(dst, t_dst_first, t_dst_first + case.watch_s)
     result.ops_continuous = ops_continuous([p for p in src if p[0] <= (t_src_last or t_end)], dst)
+    if result.postcopy_start_s is not None and result.postcopy_duration_s:
+        # Over the phase's first 90 %: as its last pages arrive a rate-capped guest catches up in
+        # a burst (tens of Mops/s for a few ms), which says nothing about the phase and, landing
+        # just inside or outside the window, decided the figure.
+        begin = t_start + result.postcopy_start_s
+        result.ops_per_sec_postcopy = ops_done_rate(src, dst, begin, begin + 0.9 * result.postcopy_duration_s)
     result.destination_progress_lines = len(dst)
     result.migration_end_s = round(t_end - t_start, 4)
     result.timeline = {
@@ -350,7 +379,10 @@ def qemu_command(env, case, tag, incoming):
 
 def qemu_migration_settings(case, config):
     """(capabilities list for migrate-set-capabilities, parameters dict for migrate-set-parameters)."""
-    caps = [{"capability": c, "state": True} for c in config.capabilities]
+    names = list(config.capabilities)
+    if config.qemu_postcopy() and "postcopy-ram" not in names:
+        names.append("postcopy-ram")
+    caps = [{"capability": c, "state": True} for c in names]
     bits = case.bandwidth_bits()
     # QEMU 7.2's default max-bandwidth is 128 MiB/s: always set it; "unlimited" is 1 TB/s.
     params = {"max-bandwidth": int(bits / 8) if bits else 10**12, "downtime-limit": case.downtime_limit_ms}
@@ -381,6 +413,10 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if caps:
                 qmp.execute("migrate-set-capabilities", capabilities=caps)
             qmp.execute("migrate-set-parameters", **params)
+        if config.qemu_postcopy():
+            # the vCPUs' time blocked on missing pages, read back from the destination
+            dst_qmp.execute("migrate-set-capabilities",
+                            capabilities=[{"capability": "postcopy-blocktime", "state": True}])
         dst_qmp.execute("migrate-incoming", uri=uri)
         src_qmp.execute("cont")
         wait_for_progress(src_log, src, f"{what} source")
@@ -392,12 +428,18 @@ def run_qemu(case, config, rep, env, link, run_tag):
         cpu_src.sample(), cpu_dst.sample()
         t_start = time.monotonic()
         src_qmp.execute("migrate", uri=uri)
+        postcopy_asked = postcopy_seen = None
         while True:
             time.sleep(POLL_S)
             cpu_src.sample(), cpu_dst.sample()
             reply = src_qmp.execute("query-migrate")
             if reply.get("status") in ("completed", "failed", "cancelled"):
                 break
+            if config.qemu_postcopy() and postcopy_asked is None and qemu_postcopy_due(config, reply, t_start):
+                src_qmp.execute("migrate-start-postcopy")
+                postcopy_asked = time.monotonic()
+            if postcopy_seen is None and reply.get("status") == "postcopy-active":
+                postcopy_seen = time.monotonic()
             if time.monotonic() - t_start > case.time_limit_s:
                 src_qmp.execute("migrate_cancel")
                 break
@@ -411,6 +453,12 @@ def run_qemu(case, config, rep, env, link, run_tag):
         figures = qemu_figures(reply)
         for key in ("total_time_s", "vmm_downtime_ms", "setup_time_ms", "iterations", "vmm_bytes"):
             setattr(result, key, figures[key])
+        if postcopy_asked is not None and reply.get("status") == "completed":
+            # the phase starts when it was asked for (QEMU says postcopy-active within a poll)
+            result.postcopy_start_s = postcopy_asked - t_start
+            result.postcopy_duration_s = t_end - postcopy_asked
+            blocktime = dst_qmp.execute("query-migrate").get("postcopy-blocktime")
+            result.postcopy_blocktime_ms = None if blocktime is None else float(blocktime)
         result.cpu_source_s, result.cpu_source_vcpu_s = cpu_src.seconds()
         result.cpu_destination_s, result.cpu_destination_vcpu_s = cpu_dst.seconds()
         if reply.get("status") == "completed":
@@ -442,6 +490,15 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if p is not None:
                 p.wait(5)
                 stop_process(p)
+
+
+def qemu_postcopy_due(config, reply, t_start):
+    """True when a QEMU post-copy config should switch now: after `postcopy_after_passes` completed
+    passes over memory (dirty-sync-count counts the pass under way), or `postcopy_after_s`."""
+    passes_done = reply.get("ram", {}).get("dirty-sync-count", 1) - 1
+    if config.postcopy_after_passes is not None and passes_done >= config.postcopy_after_passes:
+        return True
+    return config.postcopy_after_s is not None and time.monotonic() - t_start >= config.postcopy_after_s
 
 
 def run_tsubame(case, config, rep, env, link, run_tag):
@@ -514,6 +571,12 @@ def run_tsubame(case, config, rep, env, link, run_tag):
         figures = tsubame_figures(stats)
         for key in ("total_time_s", "vmm_downtime_ms", "setup_time_ms", "iterations", "vmm_bytes", "converged"):
             setattr(result, key, figures[key])
+        postcopy = stats.get("postcopy")
+        if postcopy:
+            result.postcopy_start_s = postcopy["started_at_ms"] / 1e3
+            result.postcopy_duration_s = postcopy["duration_ms"] / 1e3
+            result.fault_latency_p50_us = postcopy["fault_latency_p50_us"]
+            result.fault_latency_p99_us = postcopy["fault_latency_p99_us"]
         if stats.get("status") != "completed" or migrate.popen.returncode != 0:
             result.error = f"tsubame migration failed: {stats.get('error') or migrate.stderr_tail()}"
             raise HarnessError(f"{what}: {result.error}")
@@ -582,9 +645,12 @@ METRICS = [
     ("Mops/s before", "ops_per_sec_before", 1e-6, "{:.2f}"),
     ("Mops/s during", "ops_per_sec_during", 1e-6, "{:.2f}"),
     ("Mops/s after", "ops_per_sec_after", 1e-6, "{:.2f}"),
+    ("kops/s post-copy (first 90 %)", "ops_per_sec_postcopy", 1e-3, "{:.1f}"),
+    ("fault p99 (µs)", "fault_latency_p99_us", 1, "{:.0f}"),
+    ("blocktime (ms)", "postcopy_blocktime_ms", 1, "{:.0f}"),
 ]
 RATIO_METRICS = ["total_time_s", "time_to_destination_s", "vmm_downtime_ms", "guest_downtime_ms", "bytes_on_wire", "cpu_source_s",
-                 "cpu_source_migration_s", "cpu_destination_s", "ops_per_sec_during"]
+                 "cpu_source_migration_s", "cpu_destination_s", "ops_per_sec_during", "ops_per_sec_postcopy"]
 
 
 def metric(run, key):

@@ -54,3 +54,14 @@ def test_run_demo_reads_and_checks_statistics(tmp_path):
         run_demo(fake_tsubame(tmp_path, bad), [], str(tmp_path / "b.json"))
     stats, _ = run_demo(fake_tsubame(tmp_path, bad), [], str(tmp_path / "c.json"), check=False)
     assert stats["status"] == "failed"
+
+
+def test_ops_done_rate_counts_a_silent_guest_as_stalled():
+    from tsubame_bench.console import ops_done_rate
+    src = [(0.0, 100), (1.0, 200)]
+    dst = [(3.0, 260), (3.5, 400)]
+    # by t=2 the last count is the source's 200; by t=3, 260
+    assert ops_done_rate(src, dst, 2.0, 3.0) == 60
+    # nothing printed between: no progress
+    assert ops_done_rate(src, dst, 1.5, 2.5) == 0
+    assert ops_done_rate([], [], 0.0, 1.0) is None

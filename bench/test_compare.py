@@ -102,6 +102,31 @@ def test_bad_case_files(tmp_path):
         compare.load_case_file(str(path))
 
 
+def test_postcopy_case_file():
+    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "postcopy.toml"))
+    workloads = {(c.workload, c.memory, c.link, tuple(c.args.items())) for c in cases}
+    assert {("fill-random", "4G", "1gbit", (("wss", "3000M"),)),
+            ("sparse", "1G", "1gbit", (("wss", "768M"), ("rate", "40")))} <= workloads
+    qemu = configs["qemu-postcopy-1pass"]
+    assert qemu.qemu_postcopy() and qemu.postcopy_after_passes == 1
+    caps, _ = compare.qemu_migration_settings(cases[0], qemu)
+    assert caps == [{"capability": "postcopy-ram", "state": True}]
+    assert configs["tsubame-postcopy-auto"].args == ["--postcopy", "auto"]
+    # the switch: after the first pass is done (dirty-sync-count 2), or at once
+    t0 = compare.time.monotonic()
+    assert not compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 1}}, t0)
+    assert compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 2}}, t0)
+    assert compare.qemu_postcopy_due(configs["qemu-postcopy-at-once"], {}, t0)
+
+
+def test_postcopy_keys_are_for_qemu(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[configs]\nt = { vmm = "tsubame", postcopy_after_passes = 1 }\n'
+                    '[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
+    with pytest.raises(tsubame_bench.HarnessError, match="postcopy_after_\\* is for QEMU"):
+        compare.load_case_file(str(path))
+
+
 def test_qemu_settings_of_a_link_case():
     cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "paper.toml"))
     case = next(c for c in cases if c.link == "10gbit")

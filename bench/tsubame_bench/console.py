@@ -47,6 +47,19 @@ def ops_rate(points, t0, t1):
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
+def ops_done_rate(src, dst, t0, t1):
+    """Ops per second the guest completed between t0 and t1, wherever it ran: the last count
+    either copy printed by t1 minus the last printed by t0. A guest that printed nothing in
+    between made (almost) no progress and counts as 0; None when nothing was printed by t0."""
+    def count_by(t):
+        seen = [ops for when, ops in list(src) + list(dst) if when <= t]
+        return max(seen) if seen else None
+    first, last = count_by(t0), count_by(t1)
+    if first is None or last is None or t1 <= t0:
+        return None
+    return (last - first) / (t1 - t0)
+
+
 def max_gap_ms(points, t0, t1):
     """Largest gap between consecutive progress points inside [t0, t1], in ms (None if fewer than two)."""
     times = [t for t, _ in points if t0 <= t <= t1]

@@ -3,7 +3,13 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tsubame_migrate::protocol::{self as wire, pages, Digest, Mismatch};
+use tsubame_migrate::protocol::{
+    self as wire, pages, ChannelOpen, Digest, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
+    PostcopyStart, Resume, ResumeAck, Resumed,
+};
+
+/// Pages of the memory the post-copy parsers are asked about (4 MiB).
+const PAGES: u64 = 1024;
 
 fuzz_target!(|data: &[u8]| {
     let mut input = data;
@@ -17,7 +23,22 @@ fuzz_target!(|data: &[u8]| {
     }
     // And every payload parser on the raw bytes (the CRC would stop most
     // mutations before them otherwise).
-    for kind in [wire::FrameKind::Hello, wire::FrameKind::Pages, wire::FrameKind::Digest, wire::FrameKind::Mismatch] {
+    for kind in [
+        wire::FrameKind::Hello,
+        wire::FrameKind::Pages,
+        wire::FrameKind::Digest,
+        wire::FrameKind::Mismatch,
+        wire::FrameKind::Channel,
+        wire::FrameKind::IterationEnd,
+        wire::FrameKind::Resumed,
+        wire::FrameKind::Postcopy,
+        wire::FrameKind::PostcopyRunning,
+        wire::FrameKind::PageRequest,
+        wire::FrameKind::PostcopyPages,
+        wire::FrameKind::PostcopyDone,
+        wire::FrameKind::Resume,
+        wire::FrameKind::ResumeAck,
+    ] {
         parse(kind, data);
     }
 });
@@ -27,7 +48,7 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         wire::FrameKind::Hello => {
             let _ = wire::Hello::decode(payload);
         }
-        wire::FrameKind::Pages => {
+        wire::FrameKind::Pages | wire::FrameKind::PostcopyPages => {
             for granularity in [128, 4096] {
                 let _ = pages::for_each_record(payload, 1 << 18, granularity, |r| {
                     if r.encoding == pages::Encoding::Subpage {
@@ -42,6 +63,33 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         }
         wire::FrameKind::Mismatch => {
             let _ = Mismatch::decode(payload, 1 << 16);
+        }
+        wire::FrameKind::Channel => {
+            let _ = ChannelOpen::decode(payload);
+        }
+        wire::FrameKind::IterationEnd => {
+            let _ = IterationEnd::decode(payload);
+        }
+        wire::FrameKind::Resumed => {
+            let _ = Resumed::decode(payload);
+        }
+        wire::FrameKind::Postcopy => {
+            let _ = PostcopyStart::decode(payload, PAGES);
+        }
+        wire::FrameKind::PostcopyRunning => {
+            let _ = PostcopyRunning::decode(payload);
+        }
+        wire::FrameKind::PageRequest => {
+            let _ = PageRequest::decode(payload, PAGES);
+        }
+        wire::FrameKind::PostcopyDone => {
+            let _ = PostcopyDone::decode(payload);
+        }
+        wire::FrameKind::Resume => {
+            let _ = Resume::decode(payload);
+        }
+        wire::FrameKind::ResumeAck => {
+            let _ = ResumeAck::decode(payload, PAGES);
         }
         _ => {}
     }

@@ -114,6 +114,10 @@ impl RunningVm {
                 }
                 VcpuStatus::Failed(reason) if !self.migrating() => anyhow::bail!("the VM failed: {reason}"),
                 VcpuStatus::Stopped => anyhow::bail!("the vCPU thread ended unexpectedly"),
+                // Paused (or halted mid-migration): wait_stopped returns at
+                // once, so sleep instead of spinning a core the migration
+                // needs (a post-copy source stays paused for the whole phase).
+                status if status.is_stopped() => std::thread::sleep(Duration::from_millis(50)),
                 _ => {}
             }
         }

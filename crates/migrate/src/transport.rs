@@ -417,6 +417,8 @@ impl Drop for Listener {
 pub struct Pacer {
     /// Bytes per second; 0 = unlimited.
     rate: AtomicU64,
+    /// Bucket depth in microseconds: how far ahead of the rate a burst may run.
+    burst_us: AtomicU64,
     bucket: Mutex<Bucket>,
     bytes: AtomicU64,
 }
@@ -426,7 +428,7 @@ struct Bucket {
     last: Instant,
 }
 
-/// Bucket depth: how far ahead of the rate a burst may run.
+/// Bucket depth by default: how far ahead of the rate a burst may run.
 const BURST: Duration = Duration::from_millis(10);
 
 impl Pacer {
@@ -434,6 +436,7 @@ impl Pacer {
     pub fn new(rate: Option<u64>) -> Arc<Pacer> {
         Arc::new(Pacer {
             rate: AtomicU64::new(rate.unwrap_or(0)),
+            burst_us: AtomicU64::new(BURST.as_micros() as u64),
             bucket: Mutex::new(Bucket { tokens: 0.0, last: Instant::now() }),
             bytes: AtomicU64::new(0),
         })
@@ -442,6 +445,17 @@ impl Pacer {
     /// Changes the rate (None = unlimited) from now on.
     pub fn set_rate(&self, rate: Option<u64>) {
         self.rate.store(rate.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Changes how far ahead of the rate a burst may run: shorter bursts
+    /// keep a shaped link's queue short (post-copy's asked-for pages pass
+    /// it on another connection).
+    pub fn set_burst(&self, burst: Duration) {
+        self.burst_us.store(burst.as_micros().max(1) as u64, Ordering::Relaxed);
+    }
+
+    fn burst(&self) -> f64 {
+        self.burst_us.load(Ordering::Relaxed) as f64 / 1e6
     }
 
     fn rate(&self) -> Option<u64> {
@@ -463,7 +477,7 @@ impl Pacer {
     /// The largest write that may go in one step.
     fn slice(&self, len: usize) -> usize {
         match self.rate() {
-            Some(rate) => len.min(((rate as f64 * BURST.as_secs_f64()) as usize).max(4096)),
+            Some(rate) => len.min(((rate as f64 * self.burst()) as usize).max(4096)),
             None => len,
         }
     }
@@ -472,7 +486,7 @@ impl Pacer {
     fn wait_for(&self, n: usize) {
         let Some(rate) = self.rate() else { return };
         let rate = rate as f64;
-        let cap = (rate * BURST.as_secs_f64()).max(n as f64);
+        let cap = (rate * self.burst()).max(n as f64);
         let debt = {
             let mut b = self.bucket.lock().unwrap();
             let now = Instant::now();

@@ -257,21 +257,59 @@ impl PageFaults {
         Ok(())
     }
 
-    /// Discards every page set in `pages` (runs of set bits at once).
+    /// Discards every page set in `pages` that holds data. A page never
+    /// populated is missing already and costs nothing; runs may span such
+    /// pages, so a scattered set takes few calls. Each MADV_DONTNEED of a
+    /// lone page costs ~1.4 µs (140k scattered stale pages were 200 ms of
+    /// a post-copy switch), so the calls are spread over the cores.
     pub fn discard_set(&self, pages: &crate::DirtyBitmap) -> Result<(), FaultError> {
-        let mut run: Option<(u64, u64)> = None;
-        for page in pages.iter() {
-            run = match run {
-                Some((first, count)) if first + count == page => Some((first, count + 1)),
-                Some((first, count)) => {
-                    self.discard(first, count)?;
-                    Some((page, 1))
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4) as u64;
+        let share = self.pages.div_ceil(threads).div_ceil(64) * 64;
+        std::thread::scope(|scope| {
+            let parts: Vec<_> = (0..threads)
+                .map(|i| (i * share, ((i + 1) * share).min(self.pages)))
+                .filter(|(first, end)| first < end)
+                .map(|(first, end)| scope.spawn(move || self.discard_range(pages, first, end)))
+                .collect();
+            parts.into_iter().try_for_each(|part| part.join().expect("discard thread"))
+        })
+    }
+
+    /// [`Self::discard_set`] for pages `first..end`.
+    fn discard_range(&self, pages: &crate::DirtyBitmap, first: u64, end: u64) -> Result<(), FaultError> {
+        const CHUNK: u64 = 1 << 16;
+        let pagemap = memory::Pagemap::open().ok();
+        let mut populated = vec![true; CHUNK as usize];
+        // The run being built: its first page, its end, and whether a page
+        // in it holds data.
+        let mut run: Option<(u64, u64, bool)> = None;
+        let mut chunk_start = first;
+        while chunk_start < end {
+            let len = CHUNK.min(end - chunk_start) as usize;
+            let flags = &mut populated[..len];
+            match &pagemap {
+                Some(map) if map.populated(&self._memory, chunk_start, flags).is_ok() => {}
+                _ => flags.fill(true),
+            }
+            for (i, &held) in flags.iter().enumerate() {
+                let page = chunk_start + i as u64;
+                let missing = pages.get(page);
+                if missing || !held {
+                    let needed = missing && held;
+                    run = Some(match run {
+                        Some((first, _, any)) => (first, page + 1, any || needed),
+                        None => (page, page + 1, needed),
+                    });
+                } else if let Some((first, end, any)) = run.take() {
+                    if any {
+                        self.discard(first, end - first)?;
+                    }
                 }
-                None => Some((page, 1)),
-            };
+            }
+            chunk_start += len as u64;
         }
-        if let Some((first, count)) = run {
-            self.discard(first, count)?;
+        if let Some((first, end, true)) = run {
+            self.discard(first, end - first)?;
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
 use tsubame_codec::{CodecList, PageDecoder};
@@ -70,6 +70,9 @@ pub(super) struct Outcome {
 }
 
 /// Writes to the back channel and flushes it.
+/// How often the pages written since are handed to the background digest.
+const MARK_EVERY: Duration = Duration::from_millis(100);
+
 fn write_flushed(
     writer: &BackChannel,
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
@@ -323,7 +326,15 @@ impl<'a> StreamReceiver<'a> {
         let Session { mem, shared, main, .. } = session;
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
+        let mut marked = Instant::now();
         let state: Vec<u8> = loop {
+            // Hand what landed to the digest as it lands, not only at an
+            // iteration's end: a switch to post-copy (or the end) then
+            // waits only for the last moments' pages to be hashed.
+            if marked.elapsed() >= MARK_EVERY {
+                digest.mark(memory::take_vmm_dirty(mem));
+                marked = Instant::now();
+            }
             match self.next(reader).map_err(with_failure)? {
                 FrameKind::IterationEnd => {
                     last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);

@@ -113,6 +113,32 @@ pub fn write_frame_flushed(w: &mut impl Write, kind: FrameKind, payload: &[u8]) 
     w.flush()
 }
 
+/// Bytes written to a writer's socket and not yet taken by the peer (for
+/// TCP: not acknowledged, so this counts a shaped link's queue too), or
+/// None for a stream it cannot tell (encrypted).
+pub fn unsent_bytes(writer: &Writer) -> Option<usize> {
+    use std::os::fd::AsRawFd;
+    let fd = match writer.get_ref().get_ref() {
+        Stream::Tcp(s) => s.as_raw_fd(),
+        Stream::Unix(s) => s.as_raw_fd(),
+        Stream::Secure(_) => return None,
+    };
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int through the pointer,
+    // which points to a live local; `fd` is this writer's open socket.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) };
+    (r == 0).then_some(queued.max(0) as usize)
+}
+
+/// Waits (at most `limit`) until the sockets under `writers` hold at most
+/// `keep` bytes each that the peer has not taken.
+pub fn drain(writers: &[Writer], keep: usize, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline && writers.iter().any(|w| unsent_bytes(w).is_some_and(|n| n > keep)) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// The socket under a writer, when it is TCP (zero-copy needs one).
 pub fn tcp_fd(writer: &Writer) -> Option<std::os::fd::RawFd> {
     use std::os::fd::AsRawFd;
