@@ -404,6 +404,8 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // Bad flags are a usage error (exit 2) before anything is asked of the VM.
+    let options = if args.resume { None } else { Some(args.flags.options()?) };
     let mut client = ControlClient::connect(&args.control)?;
     if args.resume {
         let mut request = serde_json::json!({"cmd": "migrate-resume"});
@@ -415,7 +417,7 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         return follow(&mut client, &args.flags.json);
     }
     let to = to.expect("clap requires --to without --resume");
-    let options = args.flags.options()?;
+    let options = options.expect("parsed above without --resume");
     // The VM's process reads the key files: give it paths from anywhere.
     let files = SecurityFiles {
         psk: canonical(args.flags.psk_file.as_deref())?,

@@ -162,6 +162,33 @@ fn migrate_resume_reconnects_a_cut_link_to_a_new_address() {
         assert!(Instant::now() < deadline, "the source never paused: {q}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Against another destination (one that holds no part of this VM):
+    // refused in one line, and the migration stays paused.
+    let other = pair.incoming.with_file_name("other.sock");
+    let _other = Proc(
+        tsubame()
+            .args(["receive", "--quiet", "--listen"])
+            .arg(format!("unix:{}", other.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_socket(&other);
+    let out = tsubame()
+        .args(["migrate", "--resume", "--control"])
+        .arg(&pair.source_sock)
+        .arg("--to")
+        .arg(format!("unix:{}", other.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("cannot resume"), "{stderr}");
+    let q = control(&pair.source_sock, &json!({"cmd": "query-migrate"}));
+    assert_eq!(q["progress"]["phase"], "postcopy-paused", "{q}");
+
     let out = tsubame()
         .args(["migrate", "--resume", "--control"])
         .arg(&pair.source_sock)

@@ -186,32 +186,66 @@ fn boot(memory_bytes: u64, args: &str) -> (Vm, Receiver<ConsoleLine>) {
     (vm, console)
 }
 
+/// What the destination thread of [`Behind::start`] ends with: the phase's
+/// outcome, the guest's progress afterwards, and the VM (kept alive).
+type Arrived = (
+    Result<tsubame_migrate::destination::PostcopyOutcome, tsubame_migrate::destination::ReceiveError>,
+    Vec<u64>,
+    tsubame_migrate::destination::Incoming,
+);
+
+/// A destination behind a proxy, receiving on a thread of its own.
+struct Behind {
+    proxy: std::sync::Arc<Proxy>,
+    /// Set once the destination runs the VM.
+    running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    dest: std::thread::JoinHandle<Arrived>,
+}
+
+impl Behind {
+    /// Listens, and watches the guest for `watch` after the phase ends.
+    fn start(name: &str, watch: Duration) -> Behind {
+        let path = std::env::temp_dir().join(format!("tsubame-postcopy-cut-{}-{name}", std::process::id()));
+        let listener = Listener::bind(&Address::Unix(path.clone())).unwrap();
+        let proxy = std::sync::Arc::new(Proxy::start(path, name));
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let runs = running.clone();
+        let dest = std::thread::spawn(move || {
+            let log = |line: &str| {
+                if line.contains("the VM runs here") {
+                    runs.store(true, std::sync::atomic::Ordering::Release);
+                }
+            };
+            let mut incoming = receive(&listener, &ReceiveOptions::default(), &log).unwrap_or_else(|e| panic!("{e}"));
+            let console = incoming.vm.take_console().unwrap();
+            let outcome = incoming.postcopy.take().expect("post-copy").wait();
+            // After a failure the guest may run on in pages it holds; it
+            // never sees a wrong one (ops_until fails on a guest error).
+            let after = ops_until(&console, watch);
+            (outcome, after, incoming)
+        });
+        Behind { proxy, running, dest }
+    }
+
+    /// Waits until the destination runs the VM (15 s at most).
+    fn wait_running(running: &std::sync::atomic::AtomicBool) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !running.load(std::sync::atomic::Ordering::Acquire) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 /// Migrates a fresh VM with post-copy through a proxy and cuts the link
-/// once, `delay` into the post-copy phase: both ends wait, the source
-/// reconnects, and the migration completes verified with the guest going
-/// on at the destination (and only there).
+/// once per entry of `delays`, that long into the post-copy phase: both
+/// ends wait, the source reconnects, and the migration completes verified
+/// with the guest going on at the destination (and only there).
 fn cut_during_postcopy(delays: &[Duration], name: &str) -> tsubame_migrate::MigrationStats {
     let (vm, _console) = boot(64 << 20, "workload=kv wss=24M");
-    let path = std::env::temp_dir().join(format!("tsubame-postcopy-cut-{}-{name}", std::process::id()));
-    let listener = Listener::bind(&Address::Unix(path.clone())).unwrap();
-    let proxy = std::sync::Arc::new(Proxy::start(path, name));
     // Cuts come once the destination runs the VM: a cut in the instant
     // before (it lacks STATE or a channel's last pre-copy pages) loses the
     // VM, as in QEMU (docs/security.md).
-    let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let runs = running.clone();
-    let dest = std::thread::spawn(move || {
-        let log = |line: &str| {
-            if line.contains("the VM runs here") {
-                runs.store(true, std::sync::atomic::Ordering::Release);
-            }
-        };
-        let mut incoming = receive(&listener, &ReceiveOptions::default(), &log).unwrap_or_else(|e| panic!("{e}"));
-        let console = incoming.vm.take_console().unwrap();
-        let outcome = incoming.postcopy.take().expect("post-copy").wait();
-        let after = ops_until(&console, Duration::from_millis(300));
-        (outcome, after)
-    });
+    let Behind { proxy, running, dest } = Behind::start(name, Duration::from_millis(300));
     let options = MigrateOptions {
         postcopy: PostcopyMode::After(0),
         max_bandwidth: Some(40_000_000),
@@ -226,12 +260,10 @@ fn cut_during_postcopy(delays: &[Duration], name: &str) -> tsubame_migrate::Migr
             for delay in delays {
                 // Each cut comes `delay` after the phase (re)started.
                 let deadline = Instant::now() + Duration::from_secs(15);
-                while (progress.get().phase != SourceState::Postcopy
-                    || !running.load(std::sync::atomic::Ordering::Acquire))
-                    && Instant::now() < deadline
-                {
+                while progress.get().phase != SourceState::Postcopy && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(1));
                 }
+                Behind::wait_running(&running);
                 std::thread::sleep(delay);
                 if progress.get().phase == SourceState::Postcopy {
                     proxy.cut();
@@ -241,7 +273,7 @@ fn cut_during_postcopy(delays: &[Duration], name: &str) -> tsubame_migrate::Migr
     };
     let stats = source::migrate(&vm, &proxy.addr, &options, &progress);
     cutter.join().unwrap();
-    let (outcome, after) = dest.join().unwrap();
+    let (outcome, after, _incoming) = dest.join().unwrap();
     assert_eq!(stats.status, Status::Completed, "{name}: {:?}; destination {outcome:?}", stats.error);
     let outcome = outcome.unwrap();
     assert!(stats.digest_verified);
@@ -262,44 +294,23 @@ fn a_link_down_for_good_loses_the_vm_but_never_corrupts_it() {
         return;
     }
     let (vm, _console) = boot(64 << 20, "workload=kv wss=24M");
-    let path = std::env::temp_dir().join(format!("tsubame-postcopy-down-{}", std::process::id()));
-    let listener = Listener::bind(&Address::Unix(path.clone())).unwrap();
-    let proxy = std::sync::Arc::new(Proxy::start(path, "down"));
-    let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let runs = running.clone();
-    let dest = std::thread::spawn(move || {
-        let log = |line: &str| {
-            if line.contains("the VM runs here") {
-                runs.store(true, std::sync::atomic::Ordering::Release);
-            }
-        };
-        let mut incoming = receive(&listener, &ReceiveOptions::default(), &log).unwrap_or_else(|e| panic!("{e}"));
-        let console = incoming.vm.take_console().unwrap();
-        let outcome = incoming.postcopy.take().expect("post-copy").wait();
-        // The guest may run on in pages it holds; it never sees a wrong one.
-        let after = ops_until(&console, Duration::from_millis(500));
-        (outcome, after, incoming)
-    });
+    let Behind { proxy, running, dest } = Behind::start("down", Duration::from_millis(500));
     let options = MigrateOptions {
         postcopy: PostcopyMode::After(0),
         max_bandwidth: Some(20_000_000),
         postcopy_timeout: Duration::from_secs(1),
         ..MigrateOptions::default()
     };
-    let progress = std::sync::Arc::new(ProgressCell::default());
     let cutter = {
         let proxy = proxy.clone();
         std::thread::spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(15);
-            while !running.load(std::sync::atomic::Ordering::Acquire) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            Behind::wait_running(&running);
             std::thread::sleep(Duration::from_millis(100));
             proxy.down.store(true, std::sync::atomic::Ordering::Relaxed);
             proxy.cut();
         })
     };
-    let stats = source::migrate(&vm, &proxy.addr, &options, &progress);
+    let stats = source::migrate(&vm, &proxy.addr, &options, &ProgressCell::default());
     cutter.join().unwrap();
     let (outcome, after, _incoming) = dest.join().unwrap();
     assert_eq!(stats.status, Status::Failed);

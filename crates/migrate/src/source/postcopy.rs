@@ -28,7 +28,7 @@ use crate::protocol::{
     ResumeAck, SourceState, WireError,
 };
 use crate::stats::PostcopyStats;
-use crate::transport::{Metered, Stream, TransportError};
+use crate::transport::{Address, Metered, Stream, TransportError};
 
 /// Pages one background push takes at a time: small, so an asked-for page
 /// never waits long for the pusher to look at the requests.
@@ -315,11 +315,15 @@ impl SourceRun<'_> {
         let deadline = Instant::now() + self.options.postcopy_timeout;
         loop {
             let asked = self.progress.take_resume_request();
-            if let Some((Some(to), _)) = &asked {
-                self.to = to.clone();
-            }
-            match self.resume_link(outstanding) {
+            // A new address is kept only once it worked: a wrong one
+            // changes nothing.
+            let to = match &asked {
+                Some((Some(to), _)) => to.clone(),
+                _ => self.to.clone(),
+            };
+            match self.resume_link(&to, outstanding) {
                 Ok((writers, reader, urgent)) => {
+                    self.to = to;
                     if let Some((_, reply)) = asked {
                         let _ = reply.send(Ok(()));
                     }
@@ -343,9 +347,9 @@ impl SourceRun<'_> {
 
     /// One attempt: channel 0 again (RESUME, RESUME_ACK: what the
     /// destination still lacks), then the request connection.
-    fn resume_link(&mut self, outstanding: &Mutex<Outstanding>) -> Result<Connections, SourceError> {
+    fn resume_link(&mut self, to: &Address, outstanding: &Mutex<Outstanding>) -> Result<Connections, SourceError> {
         let options = self.options;
-        let stream = Stream::connect_with(&self.to, Duration::from_secs(1), &options.security)?;
+        let stream = Stream::connect_with(to, Duration::from_secs(1), &options.security)?;
         stream.set_read_timeout(Some(options.io_timeout))?;
         let mut io = stream.try_clone()?;
         protocol::write_preamble(&mut io, protocol::VERSION)?;
@@ -366,14 +370,14 @@ impl SourceRun<'_> {
         }
         let pacer = self.pacer.clone().expect("set at setup");
         let writers = vec![BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer))];
-        let urgent = Stream::connect_with(&self.to, Duration::from_secs(1), &options.security).and_then(|s| {
-            let mut io = s.try_clone().map_err(|e| TransportError::Connect(self.to.to_string(), e))?;
+        let urgent = Stream::connect_with(to, Duration::from_secs(1), &options.security).and_then(|s| {
+            let mut io = s.try_clone().map_err(|e| TransportError::Connect(to.to_string(), e))?;
             let channel = options.channels;
             protocol::write_preamble(&mut io, protocol::VERSION)
                 .and_then(|_| {
                     write_frame_flushed(&mut io, FrameKind::Resume, &Resume { session: self.session, channel }.encode())
                 })
-                .map_err(|e| TransportError::Connect(self.to.to_string(), e))?;
+                .map_err(|e| TransportError::Connect(to.to_string(), e))?;
             Ok(s)
         });
         Ok((writers, reader, urgent.ok()))
