@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{kvm_or_skip, read_raw_frame, scratch, try_control as control, tsubame, wait_for_socket, Proc};
+use common::{kvm_or_skip, read_raw_frame, scratch, spawn_receive, spawn_run, try_control as control, wait_for_socket};
 use serde_json::{json, Value};
 use tsubame_migrate::protocol::{self as wire, FrameKind, PREAMBLE_LEN};
 
@@ -260,27 +260,8 @@ fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outcome {
     let dest_sock = dir.join("dest.sock");
     let incoming = dir.join("incoming.sock");
     let dest_log = dir.join("dest.log");
-    let mut source = Proc(
-        tsubame()
-            .args(["run", "--quiet", "--control"])
-            .arg(&source_sock)
-            .args(VM)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let mut dest = Proc(
-        tsubame()
-            .args(["receive", "--quiet", "--listen"])
-            .arg(format!("unix:{}", incoming.display()))
-            .arg("--control")
-            .arg(&dest_sock)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&dest_log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let mut source = spawn_run(&source_sock, VM, Stdio::null());
+    let mut dest = spawn_receive(&incoming, Some(&dest_sock), std::fs::File::create(&dest_log).unwrap().into());
     wait_for_socket(&source_sock);
     wait_for_socket(&dest_sock);
     std::thread::sleep(Duration::from_millis(200 + rng.below(200)));

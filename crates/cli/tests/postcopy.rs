@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{control, kvm_or_skip, scratch, try_control, tsubame, wait_for_socket, Proc};
+use common::{control, kvm_or_skip, scratch, spawn_receive, spawn_run, try_control, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
 
 fn read(path: &Path) -> String {
@@ -35,27 +35,9 @@ impl Pair {
         let (source_sock, dest_sock) = (dir.join("source.sock"), dir.join("dest.sock"));
         let (incoming, dest_log) = (dir.join("incoming.sock"), dir.join("dest.log"));
         let source_log = dir.join("source.log");
-        let source = Proc(
-            tsubame()
-                .args(["run", "--quiet", "--memory", "64M", "--workload", "kv", "--workload-arg", "wss=24M"])
-                .arg("--control")
-                .arg(&source_sock)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&source_log).unwrap())
-                .spawn()
-                .unwrap(),
-        );
-        let dest = Proc(
-            tsubame()
-                .args(["receive", "--quiet", "--listen"])
-                .arg(format!("unix:{}", incoming.display()))
-                .arg("--control")
-                .arg(&dest_sock)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&dest_log).unwrap())
-                .spawn()
-                .unwrap(),
-        );
+        let vm = ["--memory", "64M", "--workload", "kv", "--workload-arg", "wss=24M"];
+        let source = spawn_run(&source_sock, &vm, std::fs::File::create(&source_log).unwrap().into());
+        let dest = spawn_receive(&incoming, Some(&dest_sock), std::fs::File::create(&dest_log).unwrap().into());
         wait_for_socket(&source_sock);
         wait_for_socket(&dest_sock);
         std::thread::sleep(Duration::from_millis(300));
@@ -165,15 +147,7 @@ fn migrate_resume_reconnects_a_cut_link_to_a_new_address() {
     // Against another destination (one that holds no part of this VM):
     // refused in one line, and the migration stays paused.
     let other = pair.incoming.with_file_name("other.sock");
-    let _other = Proc(
-        tsubame()
-            .args(["receive", "--quiet", "--listen"])
-            .arg(format!("unix:{}", other.display()))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _other = spawn_receive(&other, None, Stdio::null());
     wait_for_socket(&other);
     let out = tsubame()
         .args(["migrate", "--resume", "--control"])

@@ -2,35 +2,17 @@
 //! is there; every workload continues there with its memory verified page
 //! by page, and the source never runs it again.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{kvm_or_skip, ops_until};
 use crossbeam_channel::Receiver;
 use tsubame_migrate::destination::{receive, ReceiveOptions};
 use tsubame_migrate::stats::{Status, StopReason};
 use tsubame_migrate::transport::{Address, Listener};
 use tsubame_migrate::{source, MigrateOptions, PostcopyMode, ProgressCell};
 use tsubame_vmm::{guest_elf, ConsoleLine, Vm, VmConfig};
-
-fn kvm_or_skip() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
-    eprintln!("skipped: no /dev/kvm");
-    false
-}
-
-fn ops_until(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<u64> {
-    let end = Instant::now() + span;
-    let mut ops = Vec::new();
-    while let Ok(l) = console.recv_deadline(end) {
-        assert!(!l.text.contains("error") && !l.text.contains("exception"), "guest: {}", l.text);
-        if let Some(line) = guest_elf::parse_progress(&l.text) {
-            ops.push(line.ops);
-        }
-    }
-    ops
-}
 
 /// Migrates a VM running `args` with `options`; checks the guest goes on
 /// at the destination and the post-copy phase ends verified.
@@ -279,8 +261,10 @@ fn cut_during_postcopy(delays: &[Duration], name: &str) -> tsubame_migrate::Migr
     assert!(stats.digest_verified);
     assert!(vm.status().is_stopped(), "{name}: the source runs again");
     assert!(after.last() > after.first(), "{name}: the guest did not go on after the resume");
+    // A cut as the phase ends (every page and the digest already through)
+    // leaves nothing to resume.
     let cuts = proxy.cuts.load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(stats.postcopy.as_ref().unwrap().resumes, cuts, "{name}");
+    assert!(stats.postcopy.as_ref().unwrap().resumes <= cuts, "{name}");
     eprintln!("{name}: cuts {delays:?} into post-copy ({cuts} made): {outcome:?}");
     stats
 }
@@ -328,7 +312,8 @@ fn a_cut_link_pauses_post_copy_and_it_resumes() {
         return;
     }
     for (i, ms) in [5u64, 200].into_iter().enumerate() {
-        cut_during_postcopy(&[Duration::from_millis(ms)], &format!("cut{i}"));
+        let stats = cut_during_postcopy(&[Duration::from_millis(ms)], &format!("cut{i}"));
+        assert_eq!(stats.postcopy.unwrap().resumes, 1, "a cut {ms} ms into the phase");
     }
 }
 

@@ -1,30 +1,16 @@
 //! Pre-copy between two VMs in one process, over a real socket.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
+use common::{kvm_or_skip, ops_until};
 use tsubame_migrate::destination::{receive, ReceiveOptions};
 use tsubame_migrate::stats::{Status, StopReason};
 use tsubame_migrate::subpage::Detector;
 use tsubame_migrate::transport::{Address, Listener};
 use tsubame_migrate::{source, MigrateOptions, ProgressCell};
-use tsubame_vmm::{guest_elf, memory, ConsoleLine, Vm, VmConfig};
-
-fn kvm_or_skip() -> bool {
-    tsubame_vmm::kvm::kvm_tests_enabled()
-}
-
-fn ops_until(console: &Receiver<ConsoleLine>, span: Duration) -> Vec<u64> {
-    let end = Instant::now() + span;
-    let mut ops = Vec::new();
-    while let Ok(l) = console.recv_deadline(end) {
-        assert!(!l.text.contains("error") && !l.text.contains("exception"), "guest: {}", l.text);
-        if let Some(line) = guest_elf::parse_progress(&l.text) {
-            ops.push(line.ops);
-        }
-    }
-    ops
-}
+use tsubame_vmm::{guest_elf, memory, Vm, VmConfig};
 
 fn migrate_workload(args: &str, options: MigrateOptions) -> tsubame_migrate::MigrationStats {
     migrate_sized(128 << 20, args, options, Duration::from_millis(700))

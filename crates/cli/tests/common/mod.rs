@@ -88,3 +88,28 @@ pub fn read_raw_frame(
     from.read_exact(&mut payload).ok()?;
     Some((header, kind, payload))
 }
+
+/// `tsubame run --quiet --control CONTROL VM_ARGS...`, its stderr to `stderr`.
+pub fn spawn_run(control: &std::path::Path, vm_args: &[&str], stderr: std::process::Stdio) -> Proc {
+    Proc(
+        tsubame()
+            .args(["run", "--quiet", "--control"])
+            .arg(control)
+            .args(vm_args)
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// `tsubame receive --quiet --listen unix:LISTEN [--control CONTROL]`, its
+/// stderr to `stderr`.
+pub fn spawn_receive(listen: &std::path::Path, control: Option<&std::path::Path>, stderr: std::process::Stdio) -> Proc {
+    let mut command = tsubame();
+    command.args(["receive", "--quiet", "--listen"]).arg(format!("unix:{}", listen.display()));
+    if let Some(control) = control {
+        command.arg("--control").arg(control);
+    }
+    Proc(command.stdout(std::process::Stdio::null()).stderr(stderr).spawn().unwrap())
+}
