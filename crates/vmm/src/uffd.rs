@@ -114,6 +114,32 @@ struct Latencies {
     installed: u64,
 }
 
+/// A userfaultfd kept open by [`PageFaults::freeze`].
+struct Frozen {
+    base: usize,
+    len: usize,
+    fd: std::os::fd::OwnedFd,
+}
+
+/// The frozen userfaultfds of this process.
+static FROZEN: Mutex<Vec<Frozen>> = Mutex::new(Vec::new());
+
+/// Releases the frozen faults of the guest memory `mem` (blocked vCPU
+/// threads get zero pages): only for a VM being torn down whose vCPU has
+/// been told to stop, so that it leaves KVM_RUN instead of running on.
+pub fn thaw(mem: &GuestMemory) {
+    let Some((base, _)) = memory::single_mapping(mem) else { return };
+    let mut frozen = FROZEN.lock().unwrap();
+    let (ours, others): (Vec<Frozen>, Vec<Frozen>) = frozen.drain(..).partition(|f| f.base == base as usize);
+    *frozen = others;
+    for f in ours {
+        // SAFETY: `f.fd` is an open userfaultfd that this Uffd now owns
+        // (and closes); unregistering wakes the threads waiting on it.
+        let uffd = unsafe { <Uffd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(f.fd)) };
+        let _ = uffd.unregister(f.base as *mut libc::c_void, f.len);
+    }
+}
+
 /// Guest memory registered for missing-page faults.
 pub struct PageFaults {
     /// Keeps the mapping alive while faults may be served.
@@ -322,19 +348,19 @@ impl PageFaults {
             .map_err(op("UFFDIO_UNREGISTER"))
     }
 
-    /// Makes the missing pages unresolvable for as long as the mapping
-    /// lives: a post-copy that failed must never let its guest read a page
-    /// it lacks as zeros. Closing the last descriptor of a userfaultfd
-    /// would let the kernel zero-fill them, so one is kept open (a
-    /// descriptor, not the memory: unmapping the guest ends the
-    /// registration). A vCPU that touches a missing page waits until the
-    /// VM is dropped.
+    /// Makes the missing pages unresolvable until the VM is torn down: a
+    /// post-copy that failed must never let its guest read a page it lacks
+    /// as zeros. Closing the last descriptor of a userfaultfd would let the
+    /// kernel zero-fill them, so one is kept open; a vCPU that touches a
+    /// missing page waits. [`crate::Vm::shutdown`] lets it go ([`thaw`])
+    /// once the vCPU is told to stop: it leaves KVM_RUN before it could
+    /// run guest code again.
     pub fn freeze(&self) -> Result<(), FaultError> {
         // SAFETY: the descriptor is this object's own open userfaultfd; it
         // is only borrowed for the duplication.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.uffd.as_raw_fd()) };
         let kept = fd.try_clone_to_owned().map_err(|e| FaultError::Op { what: "dup", detail: e.to_string() })?;
-        std::mem::forget(kept);
+        FROZEN.lock().unwrap().push(Frozen { base: self.base, len: self.pages as usize * PAGE_SIZE, fd: kept });
         Ok(())
     }
 

@@ -419,6 +419,9 @@ impl Vm {
             self.shared.wants_pause.store(true, std::sync::atomic::Ordering::Release);
             t.kick();
             let _ = t.requests.send(VcpuRequest::Stop);
+            // A vCPU blocked on a page a failed post-copy never brought
+            // can leave now (it is stopping, it will not run the guest).
+            crate::uffd::thaw(&self.memory);
             // The thread may be in KVM_RUN: keep kicking until it leaves.
             while !self
                 .shared
