@@ -77,12 +77,7 @@ fn killing_the_source_during_post_copy_loses_the_vm_and_the_destination_says_so(
     let mut pair = Pair::start("pc-kill-source");
     pair.migrate(&pair.incoming.clone(), 4_000_000, 2);
     pair.source.0.kill().unwrap();
-    let status = wait_exit(&mut pair.dest, Duration::from_secs(20));
-    let log = read(&pair.dest_log);
-    assert_eq!(status.code(), Some(1), "{log}");
-    let lost: Vec<&str> = log.lines().filter(|l| l.contains("error:")).collect();
-    assert_eq!(lost.len(), 1, "one line says what happened: {log}");
-    assert!(lost[0].contains("the VM is lost"), "{log}");
+    says_the_vm_is_lost(&mut pair.dest, &pair.dest_log);
 }
 
 #[test]
@@ -107,11 +102,17 @@ fn killing_the_destination_during_post_copy_loses_the_vm_and_the_source_says_so(
     assert!(error.contains("the VM is lost") && !error.contains('\n'), "{error}");
     // Never a second copy: the source does not run its stale VM again
     // but ends, saying why in one line.
-    let status = wait_exit(&mut pair.source, Duration::from_secs(20));
-    let log = read(&pair.source_log);
+    says_the_vm_is_lost(&mut pair.source, &pair.source_log);
+}
+
+/// The surviving process exits 1, one line of its stderr saying the VM is
+/// lost.
+fn says_the_vm_is_lost(survivor: &mut Proc, log: &Path) {
+    let status = wait_exit(survivor, Duration::from_secs(20));
+    let log = read(log);
     assert_eq!(status.code(), Some(1), "{log}");
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("error")).collect();
-    assert_eq!(lines.len(), 1, "{log}");
+    assert_eq!(lines.len(), 1, "one line says what happened: {log}");
     assert!(lines[0].contains("the VM is lost"), "{log}");
 }
 
