@@ -388,9 +388,7 @@ impl Listener {
             Listener::Unix(_, p) => Address::Unix(p.clone()),
         }
     }
-}
 
-impl Listener {
     /// A second handle on the same listening socket (for a post-copy
     /// destination waiting for a cut link to come back). It leaves a Unix
     /// socket's file to the original.

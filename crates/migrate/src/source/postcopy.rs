@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use tsubame_codec::zero::is_zero;
-use tsubame_vmm::{memory, DirtyBitmap, PAGE_SIZE};
+use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
 
 use super::send::write_frame_flushed;
 use super::vm::SourceVm;
@@ -113,13 +113,13 @@ impl PageFrames {
         PageFrames { builder: PagesBuilder::new(RECORDS_PER_FRAME), page: [0; PAGE_SIZE], out: Vec::new(), zero: 0 }
     }
 
-    /// The frames carrying `pages`, read from `vm`'s (paused) memory.
-    fn frames(&mut self, vm: &dyn SourceVm, pages: &[u64]) -> Result<&[u8], SourceError> {
+    /// The frames carrying `pages`, read from a paused VM's memory.
+    fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
         self.out.clear();
         for chunk in pages.chunks(RECORDS_PER_FRAME) {
             self.builder.reset(u32::MAX, 0);
             for &index in chunk {
-                memory::read_page(vm.memory(), index, &mut self.page).map_err(tsubame_vmm::VmError::from)?;
+                memory::read_page(memory, index, &mut self.page).map_err(tsubame_vmm::VmError::from)?;
                 if is_zero(&self.page) {
                     self.builder.push(index, Encoding::Zero, &[]);
                     self.zero += 1;
@@ -281,7 +281,7 @@ impl SourceRun<'_> {
                 break;
             }
             counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let bytes = frames.frames(vm, &batch).map_err(|e| Heard::Refused(e.to_string()))?;
+            let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
             let channels = link.writers.len();
             link.writers[next % channels].write_all(bytes).map_err(lost)?;
             next += 1;
@@ -462,22 +462,12 @@ impl Link {
                 sent: counters.urgent_pages.clone(),
                 bytes: counters.urgent_bytes.clone(),
             };
-            let memory = VmPages::of(vm);
+            let memory = vm.memory().clone();
             let _ = std::thread::Builder::new()
                 .name("postcopy-urgent".into())
                 .spawn(move || server.run(memory, requests, heard_tx));
         }
         Link { writers, heard, reader }
-    }
-}
-
-/// Guest memory of a paused VM, for the threads that send its pages.
-#[derive(Clone)]
-struct VmPages(Arc<tsubame_vmm::GuestMemory>);
-
-impl VmPages {
-    fn of(vm: &dyn SourceVm) -> VmPages {
-        VmPages(vm.memory().clone())
     }
 }
 
@@ -491,10 +481,8 @@ struct UrgentServer {
 }
 
 impl UrgentServer {
-    fn run(mut self, memory: VmPages, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
-        let mut builder = PagesBuilder::new(RECORDS_PER_FRAME);
-        let mut page = [0u8; PAGE_SIZE];
-        let mut out = Vec::new();
+    fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
+        let mut frames = PageFrames::new();
         while let Ok(mut pages) = requests.recv() {
             // Take every request queued meanwhile: one write for all.
             pages.extend(requests.try_iter().flatten());
@@ -510,22 +498,14 @@ impl UrgentServer {
                     outstanding.cursor = last + 1;
                 }
             }
-            out.clear();
-            for chunk in pages.chunks(RECORDS_PER_FRAME) {
-                builder.reset(u32::MAX, 0);
-                for &index in chunk {
-                    if memory::read_page(&memory.0, index, &mut page).is_err() {
-                        continue;
-                    }
-                    if is_zero(&page) {
-                        builder.push(index, Encoding::Zero, &[]);
-                    } else {
-                        builder.push(index, Encoding::Raw, &page);
-                    }
+            let out = match frames.frames(&memory, &pages) {
+                Ok(out) => out,
+                Err(e) => {
+                    let _ = heard.send(Heard::Refused(e.to_string()));
+                    return;
                 }
-                protocol::write_frame(&mut out, FrameKind::PostcopyPages, builder.payload()).expect("Vec writes");
-            }
-            if let Err(e) = self.writer.write_all(&out).and_then(|_| self.writer.flush()) {
+            };
+            if let Err(e) = self.writer.write_all(out).and_then(|_| self.writer.flush()) {
                 let _ = heard.send(Heard::Lost(format!("link lost while sending asked-for pages: {e}")));
                 return;
             }
