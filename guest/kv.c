@@ -61,11 +61,6 @@ static u32 fill_value(u8 *v, u32 len, u64 *rng)
     return sum;
 }
 
-struct zipf {
-    u64 n;
-    double theta, alpha, zetan, eta, half_pow_theta;
-};
-
 /* zeta(n, theta) = sum 1/i^theta: exact for the head, Euler-Maclaurin tail. */
 static double zeta(u64 n, double theta)
 {
@@ -81,7 +76,7 @@ static double zeta(u64 n, double theta)
     return sum;
 }
 
-static void zipf_init(struct zipf *z, u64 n, double theta)
+void zipf_init(struct zipf *z, u64 n, double theta)
 {
     z->n = n;
     z->theta = theta;
@@ -92,7 +87,7 @@ static void zipf_init(struct zipf *z, u64 n, double theta)
     z->half_pow_theta = guest_pow(0.5, theta);
 }
 
-static u64 zipf_next(const struct zipf *z, u64 *rng)
+u64 zipf_next(const struct zipf *z, u64 *rng)
 {
     double u = rng_unit(rng), uz = u * z->zetan;
     if (uz < 1.0)

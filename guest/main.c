@@ -21,6 +21,11 @@ static const struct workload_def workloads[] = {
     {"zero-clear", workload_zero_clear, 256 * MIB},
     {"stream", workload_stream, 256 * MIB},
     {"crash", workload_crash, 0},
+    /* Disk workloads use little memory; wss is not theirs. */
+    {"disk-seq", workload_disk_seq, 16 * MIB},
+    {"disk-random", workload_disk_random, 16 * MIB},
+    {"disk-mixed", workload_disk_mixed, 16 * MIB},
+    {"disk-bad", workload_disk_bad, 16 * MIB},
 };
 #define NWORKLOADS (sizeof(workloads) / sizeof(workloads[0]))
 
@@ -136,13 +141,17 @@ static void parse_cmdline(const char *cmd, struct config *cfg)
                     cfg->workload = workloads[i].name;
             if (!cfg->workload)
                 fail_with_hint("unknown workload", copy_token(val, vlen),
-                               "known: idle fill-zero fill-random kv bwmem sparse zero-clear stream crash");
+                               "known: idle fill-zero fill-random kv bwmem sparse zero-clear stream crash disk-seq "
+                               "disk-random disk-mixed disk-bad");
         } else if (str_eq(tok, eq, "wss")) {
             cfg->wss = parse_size(val, vlen, 1);
             if (cfg->wss < PAGE_SIZE)
                 guest_fail("wss must be at least 4K, got", copy_token(val, vlen));
         } else if (str_eq(tok, eq, "rate")) {
             cfg->rate_mbs = parse_size(val, vlen, 0);
+            cfg->rate_set = 1;
+        } else if (str_eq(tok, eq, "disk")) {
+            cfg->disk_bytes = parse_size(val, vlen, 1);
         } else if (str_eq(tok, eq, "seed")) {
             cfg->seed = parse_size(val, vlen, 0);
         } else if (str_eq(tok, eq, "tsc_khz")) {
@@ -150,7 +159,7 @@ static void parse_cmdline(const char *cmd, struct config *cfg)
             if (cfg->tsc_khz == 0)
                 guest_fail("tsc_khz must be positive", 0);
         } else {
-            fail_with_hint("unknown parameter", copy_token(tok, eq), "known: workload wss rate seed tsc_khz");
+            fail_with_hint("unknown parameter", copy_token(tok, eq), "known: workload wss rate seed disk tsc_khz");
         }
     }
 }
@@ -214,6 +223,16 @@ void progress_emit(struct progress *p)
     line_u64(&l, p->ops);
     line_str(&l, " pass=");
     line_u64(&l, p->pass);
+    if (p->disk) {
+        line_str(&l, " rd=");
+        line_u64(&l, p->rd);
+        line_str(&l, " wr=");
+        line_u64(&l, p->wr);
+    }
+    if (p->has_ack) {
+        line_str(&l, " ack=");
+        line_u64(&l, p->ack);
+    }
     line_flush(&l);
     p->next_tsc = rdtsc() + p->interval_tsc;
 }
@@ -274,6 +293,8 @@ void guest_main(u32 mbi_addr)
     r.progress.interval_tsc = 50 * khz; /* 50 ms */
     r.progress.next_tsc = rdtsc() + r.progress.interval_tsc;
     r.throttle.start_tsc = rdtsc();
+    if (!r.cfg.rate_set && str_eq(r.cfg.workload, strlen(r.cfg.workload), "disk-seq"))
+        r.cfg.rate_mbs = 160; /* the I/O paper's 16 KB per ~100 us */
     if (r.cfg.rate_mbs)
         r.throttle.tsc_per_byte = (double)khz * 1000.0 / ((double)r.cfg.rate_mbs * 1e6);
 

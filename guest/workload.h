@@ -9,6 +9,8 @@ struct config {
     u64 rate_mbs; /* MB/s of bytes written; 0 = uncapped */
     u64 seed;
     u64 tsc_khz;
+    u64 disk_bytes; /* disk=: bytes of the disk a disk workload uses; 0 = all */
+    int rate_set;   /* rate= given (0 then means uncapped) */
 };
 
 /* The memory the workloads may use: the largest RAM region past the image. */
@@ -17,10 +19,13 @@ struct arena {
     u64 size;
 };
 
-/* Progress lines (`tsb ops=N pass=N`) every ~50 ms of TSC time. */
+/* Progress lines (`tsb ops=N pass=N`, disk workloads add `rd=B wr=B`
+ * and disk-mixed `ack=SEQ`) every ~50 ms of TSC time. */
 struct progress {
     u64 ops, pass;
     u64 next_tsc, interval_tsc;
+    int disk, has_ack;
+    u64 rd, wr, ack;
 };
 
 /* Caps the rate of bytes written at rate_mbs. */
@@ -72,6 +77,14 @@ static inline u64 rng_below(u64 *s, u64 n)
 /* A uniform double in [0, 1). */
 static inline double rng_unit(u64 *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
 
+/* Zipf(theta) ranks in [0, n) (YCSB's generator; kv.c). */
+struct zipf {
+    u64 n;
+    double theta, alpha, zetan, eta, half_pow_theta;
+};
+void zipf_init(struct zipf *z, u64 n, double theta);
+u64 zipf_next(const struct zipf *z, u64 *rng);
+
 __attribute__((noreturn)) void guest_fail(const char *msg, const char *detail);
 void wait_forever(void) __attribute__((noreturn));
 
@@ -88,5 +101,9 @@ void workload_zero_clear(struct run *r);
 void workload_stream(struct run *r);
 void workload_kv(struct run *r);
 void workload_crash(struct run *r);
+void workload_disk_seq(struct run *r);
+void workload_disk_random(struct run *r);
+void workload_disk_mixed(struct run *r);
+void workload_disk_bad(struct run *r);
 
 #endif

@@ -8,7 +8,7 @@ use std::process::Command;
 /// Ring-0 files must not use SSE: this host's KVM emulates ring 0 and
 /// cannot emulate vector instructions there.
 const RING0_SOURCES: &[&str] = &["ring0.c", "lib.c"];
-const RING3_SOURCES: &[&str] = &["main.c", "workloads.c", "kv.c", "math.c"];
+const RING3_SOURCES: &[&str] = &["main.c", "workloads.c", "kv.c", "math.c", "disk.c"];
 
 fn run(cmd: &mut Command) {
     let status =

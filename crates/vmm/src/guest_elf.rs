@@ -5,10 +5,22 @@
 pub static GUEST_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest.elf"));
 
 /// Workloads the guest knows (guest/README.md describes each).
-pub const WORKLOADS: &[&str] = &["idle", "fill-zero", "fill-random", "kv", "bwmem", "sparse", "zero-clear", "stream"];
+pub const WORKLOADS: &[&str] = &[
+    "idle",
+    "fill-zero",
+    "fill-random",
+    "kv",
+    "bwmem",
+    "sparse",
+    "zero-clear",
+    "stream",
+    "disk-seq",
+    "disk-random",
+    "disk-mixed",
+];
 
 /// Parameters a user may pass to a workload (`tsc_khz` is ours to fill).
-pub const WORKLOAD_PARAMS: &[&str] = &["wss", "rate", "seed"];
+pub const WORKLOAD_PARAMS: &[&str] = &["wss", "rate", "seed", "disk"];
 
 /// Builds the guest command line, checking names before the guest sees them.
 pub fn cmdline(workload: &str, args: &[(String, String)], tsc_khz: u32) -> Result<String, String> {

@@ -1,6 +1,7 @@
 //! tsubame's KVM micro-VM: one VM with guest memory, vCPUs running the
-//! multiboot test guest, a debug console on port 0xE9, pause/resume from
-//! another thread, full vCPU state save/restore and KVM's dirty log.
+//! multiboot test guest, a debug console on port 0xE9, a virtio-blk disk
+//! on a legacy PCI I/O BAR, pause/resume from another thread, full vCPU
+//! and device state save/restore and KVM's dirty log.
 //!
 //! The crate never decides policy (when to pause, what to send); the
 //! migration engine drives it.
@@ -13,9 +14,11 @@ mod dirty;
 pub mod guest_elf;
 pub mod kvm;
 pub mod memory;
+pub mod pci;
 pub mod persist;
 pub mod uffd;
 pub mod vcpu;
+pub mod virtio_blk;
 pub mod vm;
 
 pub use bitmap::DirtyBitmap;
@@ -23,4 +26,5 @@ pub use devices::ConsoleLine;
 pub use memory::{GuestMemory, PAGE_SIZE};
 pub use persist::VmState;
 pub use vcpu::{VcpuState, VcpuStatus};
-pub use vm::{Vm, VmConfig, VmError};
+pub use virtio_blk::{DiskStats, VirtioBlkState};
+pub use vm::{DiskWarmList, Vm, VmConfig, VmError};

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::vcpu::VcpuState;
+use crate::virtio_blk::VirtioBlkState;
 
 /// The whole migratable state of a VM apart from its memory.
 #[derive(Clone, Serialize, Deserialize)]
@@ -16,6 +17,9 @@ pub struct VmState {
     pub tsc_khz: u32,
     /// One entry per vCPU.
     pub vcpus: Vec<VcpuState>,
+    /// The virtio-blk disk, when the VM has one: its registers, queue
+    /// position and which storage to open (`VirtioBlkState` beside it).
+    pub disk: Option<VirtioBlkState>,
 }
 
 /// A state blob that does not decode.
@@ -56,7 +60,7 @@ mod tests {
         vcpu.regs.rax = rax;
         vcpu.sregs.cr3 = cr3;
         vcpu.xsave.region[7] = xsave_word;
-        VmState { memory_bytes: 1 << 30, tsc_khz, vcpus: vec![vcpu] }
+        VmState { memory_bytes: 1 << 30, tsc_khz, vcpus: vec![vcpu], disk: None }
     }
 
     proptest! {
@@ -70,6 +74,26 @@ mod tests {
             prop_assert_eq!(back.vcpus[0].regs.rip, rip);
             prop_assert_eq!(back.vcpus[0].msr(0x10), Some(tsc));
         }
+    }
+
+    #[test]
+    fn disk_state_round_trips() {
+        let mut saved = state(1, 2, 3, 4, 5, 6);
+        saved.disk = Some(VirtioBlkState {
+            disk: "nbd://storage:10809/vm1".parse().unwrap(),
+            size_bytes: 1 << 30,
+            cache_bytes: 64 << 20,
+            pci: Default::default(),
+            driver_features: 1 << 9,
+            status: 7,
+            isr: 1,
+            queue_select: 0,
+            queue_pfn: 0x1234,
+            next_avail: 65535,
+            next_used: 3,
+        });
+        let back = VmState::decode(&saved.encode()).unwrap();
+        assert_eq!(back.disk, saved.disk);
     }
 
     #[test]

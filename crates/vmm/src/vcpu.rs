@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::devices::{ConsoleLine, DebugConsole, UnknownPorts, DEBUG_CONSOLE_PORT};
+use crate::pci::PciBus;
 
 /// A failed vCPU ioctl, named.
 #[derive(Debug, thiserror::Error)]
@@ -247,6 +248,8 @@ pub(crate) struct VcpuRunner {
     pub console: Sender<ConsoleLine>,
     pub requests: Receiver<VcpuRequest>,
     pub shared: Arc<VcpuShared>,
+    /// The PCI bus and its disk; requests run here, at the guest's notify.
+    pub bus: Arc<Mutex<PciBus>>,
 }
 
 enum Flow {
@@ -375,15 +378,17 @@ impl VcpuRunner {
                     console.write(data, |line| {
                         let _ = self.console.send(line);
                     });
-                } else if unknown.first_access(port, true) {
+                } else if !self.bus.lock().unwrap().write(port, data) && unknown.first_access(port, true) {
                     eprintln!("tsubame: guest wrote to unknown port {port:#x}; ignoring it");
                 }
                 Flow::Continue
             }
             Ok(VcpuExit::IoIn(port, data)) => {
-                data.fill(0xFF);
-                if unknown.first_access(port, false) {
-                    eprintln!("tsubame: guest read unknown port {port:#x}; returning 0xff");
+                if !self.bus.lock().unwrap().read(port, data) {
+                    data.fill(0xFF);
+                    if unknown.first_access(port, false) {
+                        eprintln!("tsubame: guest read unknown port {port:#x}; returning 0xff");
+                    }
                 }
                 Flow::Continue
             }

@@ -18,11 +18,13 @@ use crate::devices::ConsoleLine;
 use crate::dirty;
 use crate::kvm::{self, KvmError};
 use crate::memory::{self, GuestMemory, MemoryError};
+use crate::pci::{PciBus, PciFunctionState};
 use crate::persist::VmState;
 use crate::vcpu::{
     install_kick_handler, restore_state, save_state, VcpuError, VcpuRequest, VcpuRunner, VcpuShared, VcpuStatus,
     VcpuThread, MAX_THROTTLE_PER_MILLE,
 };
+use crate::virtio_blk::{DiskError, DiskStats, DiskStatsHandle, VirtioBlk};
 
 /// How long pause waits for a vCPU before calling it stuck.
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -57,10 +59,27 @@ pub enum VmError {
     /// A saved state from a VM of another shape.
     #[error("saved state does not fit this VM: {0}")]
     StateMismatch(String),
+    /// The virtual disk's storage.
+    #[error(transparent)]
+    Disk(#[from] DiskError),
 }
 
 fn ioctl_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |e| VmError::Ioctl(what, std::io::Error::from_raw_os_error(e.errno()))
+}
+
+/// A disk cache's contents by name, for a warm migration
+/// ([`Vm::disk_warm_start`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskWarmList {
+    /// The storage.
+    pub disk: tsubame_block::DiskSpec,
+    /// Its size in bytes.
+    pub size_bytes: u64,
+    /// The cache's capacity in bytes.
+    pub cache_bytes: u64,
+    /// Cached blocks (byte offset / 4 KiB), most recently used first.
+    pub blocks: Vec<u64>,
 }
 
 /// What a VM is made of.
@@ -92,6 +111,10 @@ pub struct Vm {
     dirty_logging: std::sync::atomic::AtomicBool,
     manual_dirty_protect: bool,
     hugepages: bool,
+    /// Port I/O devices beyond the console: the PCI bus and its disk,
+    /// shared with the vCPU thread that serves the guest's accesses.
+    bus: Arc<std::sync::Mutex<PciBus>>,
+    disk_stats: Option<DiskStatsHandle>,
 }
 
 /// Probes, one by one, which MSRs this KVM lets us both read and write
@@ -165,6 +188,8 @@ impl Vm {
             dirty_logging: std::sync::atomic::AtomicBool::new(false),
             manual_dirty_protect,
             hugepages: config.hugepages,
+            bus: Arc::default(),
+            disk_stats: None,
         })
     }
 
@@ -216,6 +241,7 @@ impl Vm {
             console: self.console_tx.clone(),
             requests: req_rx,
             shared: self.shared.clone(),
+            bus: self.bus.clone(),
         };
         let thread =
             std::thread::Builder::new().name("vcpu0".into()).spawn(move || runner.run()).map_err(VmError::Thread)?;
@@ -283,7 +309,8 @@ impl Vm {
         Ok(())
     }
 
-    /// Captures vCPU state; the VM must be paused (or never started).
+    /// Captures vCPU and device state; the VM must be paused (or never
+    /// started).
     pub fn save_state(&self) -> Result<VmState, VmError> {
         let vcpu = match &self.vcpu {
             VcpuSlot::NotStarted(fd) => save_state(fd, &self.msr_indices)?,
@@ -297,11 +324,99 @@ impl Vm {
             }
             VcpuSlot::Empty => return Err(VmError::WrongState("being started")),
         };
-        Ok(VmState { memory_bytes: self.memory_bytes(), tsc_khz: self.tsc_khz, vcpus: vec![vcpu] })
+        // No request is in flight while the vCPU is out of KVM_RUN (it
+        // serves them synchronously); flush so the storage holds every
+        // write the guest saw completed before anyone else opens it.
+        let disk = {
+            let mut bus = self.bus.lock().unwrap();
+            let pci = bus.function();
+            match bus.disk_mut() {
+                Some(disk) => {
+                    disk.flush()?;
+                    Some(disk.state(pci))
+                }
+                None => None,
+            }
+        };
+        Ok(VmState { memory_bytes: self.memory_bytes(), tsc_khz: self.tsc_khz, vcpus: vec![vcpu], disk })
     }
 
-    /// Loads a saved vCPU state; the VM must be paused or not started.
+    /// Gives the VM a virtio-blk disk on the storage `spec` names, behind a
+    /// host block cache of `cache_bytes` (0: none). Before the VM starts.
+    pub fn attach_disk(&mut self, spec: &tsubame_block::DiskSpec, cache_bytes: u64) -> Result<(), VmError> {
+        if !matches!(self.vcpu, VcpuSlot::NotStarted(_)) {
+            return Err(VmError::WrongState("already started"));
+        }
+        let disk = VirtioBlk::open(self.memory.clone(), spec, cache_bytes)?;
+        self.plug_disk(disk, PciFunctionState::default());
+        Ok(())
+    }
+
+    fn plug_disk(&mut self, disk: VirtioBlk, pci: PciFunctionState) {
+        self.disk_stats = Some(disk.stats_handle());
+        self.bus.lock().unwrap().attach_disk(disk, pci);
+    }
+
+    /// What a warm migration sends ahead of the VM: the disk's storage, its
+    /// size, its cache's capacity and the cached blocks, most recently used
+    /// first (at most `max_blocks`); `None` without a disk or a cache.
+    /// From now on the cache records the blocks the guest writes, for
+    /// [`Vm::disk_written_blocks`].
+    pub fn disk_warm_start(&self, max_blocks: usize) -> Option<DiskWarmList> {
+        let mut bus = self.bus.lock().unwrap();
+        let disk = bus.disk_mut()?;
+        if disk.cache().capacity_bytes() == 0 {
+            return None;
+        }
+        disk.cache_mut().track_writes(true);
+        Some(DiskWarmList {
+            disk: disk.spec().clone(),
+            size_bytes: disk.size_bytes(),
+            cache_bytes: disk.cache().capacity_bytes(),
+            blocks: disk.cache().hot_blocks().take(max_blocks).collect(),
+        })
+    }
+
+    /// Blocks the guest wrote since [`Vm::disk_warm_start`] or the last
+    /// call, ascending.
+    pub fn disk_written_blocks(&self) -> Vec<u64> {
+        self.bus.lock().unwrap().disk_mut().map(|d| d.cache_mut().take_written()).unwrap_or_default()
+    }
+
+    /// The cached contents of those of `blocks` the disk cache holds (a
+    /// warm migration sends them so the destination need not read them).
+    pub fn disk_cached_blocks(&self, blocks: &[u64]) -> Vec<(u64, Vec<u8>)> {
+        let bus = self.bus.lock().unwrap();
+        let Some(disk) = bus.disk() else { return Vec::new() };
+        blocks.iter().filter_map(|&b| Some((b, disk.cache().peek(b)?.to_vec()))).collect()
+    }
+
+    /// Ends what [`Vm::disk_warm_start`] began (the migration ended).
+    pub fn disk_warm_stop(&self) {
+        if let Some(disk) = self.bus.lock().unwrap().disk_mut() {
+            disk.cache_mut().track_writes(false);
+        }
+    }
+
+    /// The disk's statistics, when the VM has one.
+    pub fn disk_stats(&self) -> Option<DiskStats> {
+        self.disk_stats.as_ref().map(DiskStatsHandle::get)
+    }
+
+    /// Loads a saved vCPU and device state (opening the disk's storage the
+    /// state names); the VM must be paused or not started.
     pub fn restore_state(&mut self, state: &VmState) -> Result<(), VmError> {
+        self.restore_state_with_cache(state, None)
+    }
+
+    /// [`Vm::restore_state`], with the disk behind `cache` when one was
+    /// filled ahead (a warm migration) and the state names the same
+    /// storage with the same cache capacity; otherwise the disk opens cold.
+    pub fn restore_state_with_cache(
+        &mut self,
+        state: &VmState,
+        cache: Option<(tsubame_block::DiskSpec, tsubame_block::BlockCache)>,
+    ) -> Result<(), VmError> {
         if state.memory_bytes != self.memory_bytes() {
             return Err(VmError::StateMismatch(format!(
                 "state is for {} bytes of memory, this VM has {}",
@@ -311,6 +426,24 @@ impl Vm {
         }
         let [vcpu_state] = state.vcpus.as_slice() else {
             return Err(VmError::StateMismatch(format!("state has {} vCPUs, this VM has 1", state.vcpus.len())));
+        };
+        // The disk first: storage that cannot be opened here, or has
+        // another size, fails the restore before anything changed.
+        let disk = match &state.disk {
+            Some(saved) => {
+                let mut disk = match cache {
+                    Some((spec, cache)) if spec == saved.disk && cache.capacity_bytes() == saved.cache_bytes => {
+                        VirtioBlk::new(self.memory.clone(), cache, spec)
+                    }
+                    _ => VirtioBlk::open(self.memory.clone(), &saved.disk, saved.cache_bytes)?,
+                };
+                disk.restore(saved)?;
+                Some((disk, saved.pci))
+            }
+            None if self.bus.lock().unwrap().disk().is_some() => {
+                return Err(VmError::StateMismatch("this VM has a disk, the state has none".into()))
+            }
+            None => None,
         };
         match &self.vcpu {
             VcpuSlot::NotStarted(fd) => {
@@ -329,6 +462,9 @@ impl Vm {
                 rx.recv().map_err(|_| VcpuError::Gone)??
             }
             VcpuSlot::Empty => return Err(VmError::WrongState("being started")),
+        }
+        if let Some((disk, pci)) = disk {
+            self.plug_disk(disk, pci);
         }
         Ok(())
     }

@@ -314,3 +314,27 @@ fn a_vm_runs_while_its_memory_arrives_on_demand() {
         assert!(written.count() < pages, "{workload}: every page written?");
     }
 }
+
+#[test]
+fn a_guest_handing_the_disk_bad_requests_gets_errors_and_runs_on() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let image = std::env::temp_dir().join(format!("tsubame-disk-bad-{}.img", std::process::id()));
+    std::fs::File::create(&image).unwrap().set_len(8 << 20).unwrap();
+    let mut vm = Vm::create(&VmConfig { memory_bytes: 32 << 20, hugepages: false }).expect("create VM");
+    let cmdline = format!("workload=disk-bad tsc_khz={}", vm.tsc_khz());
+    vm.load_guest(GUEST_ELF, &cmdline).expect("load guest");
+    vm.attach_disk(&tsubame_block::DiskSpec::File(image.clone()), 1 << 20).unwrap();
+    let console = vm.take_console().unwrap();
+    vm.start(false).expect("start");
+    let lines = collect(&console, Duration::from_secs(2));
+    assert!(lines.iter().any(|l| l.starts_with("tsubame-guest: disk-bad: refused [read past the end]")), "{lines:?}");
+    let reads: Vec<u64> =
+        lines.iter().filter_map(|l| l.split_whitespace().find_map(|t| t.strip_prefix("rd=")?.parse().ok())).collect();
+    assert!(reads.len() >= 10 && reads.last() > reads.first(), "the guest reads on: {lines:?}");
+    let stats = vm.disk_stats().unwrap();
+    assert_eq!(stats.errors, 6, "{stats:?}");
+    assert_eq!(vm.status(), VcpuStatus::Running);
+    let _ = std::fs::remove_file(&image);
+}
