@@ -38,6 +38,9 @@ fuzz_target!(|data: &[u8]| {
         wire::FrameKind::PostcopyDone,
         wire::FrameKind::Resume,
         wire::FrameKind::ResumeAck,
+        wire::FrameKind::WarmBlocks,
+        wire::FrameKind::DiskWritten,
+        wire::FrameKind::WarmData,
     ] {
         parse(kind, data);
     }
@@ -90,6 +93,15 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         }
         wire::FrameKind::ResumeAck => {
             let _ = ResumeAck::decode(payload, PAGES);
+        }
+        wire::FrameKind::WarmBlocks => {
+            let _ = wire::WarmBlocks::decode(payload);
+        }
+        wire::FrameKind::DiskWritten => {
+            let _ = wire::DiskWritten::decode(payload, 1 << 30);
+        }
+        wire::FrameKind::WarmData => {
+            let _ = wire::WarmData::decode(payload, 1 << 30);
         }
         _ => {}
     }

@@ -59,6 +59,9 @@ pub struct MigrateOptions {
     pub postcopy: PostcopyMode,
     /// How long a cut post-copy link is retried before the VM is given up.
     pub postcopy_timeout: Duration,
+    /// Send the disk cache's block list ahead so the destination's cache
+    /// is warm when the VM arrives (`--no-warm-cache` turns it off).
+    pub warm_cache: bool,
 }
 
 /// `--postcopy`: whether to finish with post-copy instead of a long
@@ -187,6 +190,7 @@ impl Default for MigrateOptions {
             security: Default::default(),
             postcopy: PostcopyMode::Off,
             postcopy_timeout: Duration::from_secs(60),
+            warm_cache: true,
         }
     }
 }

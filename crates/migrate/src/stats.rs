@@ -204,6 +204,22 @@ pub struct MigrationStats {
     /// The post-copy phase, when there was one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub postcopy: Option<PostcopyStats>,
+    /// The disk's warm migration, when the VM has a disk with a cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm_cache: Option<WarmCacheStats>,
+}
+
+/// What a warm migration sent about the disk cache.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WarmCacheStats {
+    /// Blocks of the source's cache named to the destination, hottest first.
+    pub blocks_listed: u64,
+    /// Blocks the guest wrote during the migration (their early copies at
+    /// the destination were dropped).
+    pub blocks_written: u64,
+    /// Blocks whose contents went over the migration stream (WARM_DATA),
+    /// so the destination did not wait for storage.
+    pub blocks_sent: u64,
 }
 
 /// Busy and waiting time of one stage, summed over its threads.

@@ -95,7 +95,11 @@ fn a_vm_destination_refuses_a_replay_clearly() {
             {
                 self.0.create(b)
             }
-            fn restore(&mut self, s: &[u8]) -> Result<(), tsubame_migrate::destination::ReceiveError> {
+            fn restore(
+                &mut self,
+                s: &[u8],
+                _disk: Option<tsubame_migrate::destination::WarmDisk>,
+            ) -> Result<(), tsubame_migrate::destination::ReceiveError> {
                 if s.is_empty() {
                     return Err(tsubame_migrate::destination::ReceiveError::BadState("empty".into()));
                 }

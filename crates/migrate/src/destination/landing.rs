@@ -3,19 +3,34 @@
 
 use std::sync::Arc;
 
+use tsubame_block::{BlockCache, DiskSpec};
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
 use super::error::ReceiveError;
 
+/// A disk cache a warm migration filled ahead of the VM, for its disk.
+pub struct WarmDisk {
+    /// The storage it caches.
+    pub spec: DiskSpec,
+    /// The cache, in front of that storage.
+    pub cache: BlockCache,
+}
+
 /// Where an incoming VM lands: a real VM, or (fuzzing, tests) plain memory.
 pub trait Landing {
     /// Maps guest memory of this size (already range-checked).
     fn create(&mut self, memory_bytes: u64) -> Result<Arc<GuestMemory>, ReceiveError>;
-    /// Loads the vCPU and device state from the STATE frame.
-    fn restore(&mut self, state: &[u8]) -> Result<(), ReceiveError>;
+    /// Loads the vCPU and device state from the STATE frame; the disk
+    /// uses `disk_cache` when a warm migration filled one for it.
+    fn restore(&mut self, state: &[u8], disk_cache: Option<WarmDisk>) -> Result<(), ReceiveError>;
     /// Runs the guest: the source has committed.
     fn start(&mut self) -> Result<(), ReceiveError>;
+    /// False where storage must never be opened (plain memory: fuzzing,
+    /// `receive --memory-only`): disk frames are then ignored.
+    fn opens_storage(&self) -> bool {
+        true
+    }
     /// Runs the guest before all its memory is here (post-copy): no huge
     /// pages yet (they come once every page is in).
     fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
@@ -42,14 +57,18 @@ impl Landing for VmLanding {
         Ok(vm.memory().clone())
     }
 
-    fn restore(&mut self, blob: &[u8]) -> Result<(), ReceiveError> {
+    fn restore(&mut self, blob: &[u8], disk_cache: Option<WarmDisk>) -> Result<(), ReceiveError> {
         if blob.is_empty() {
             return Err(ReceiveError::BadState(
                 "the source sent no vCPU state (a trace replay?); receive it with --memory-only".into(),
             ));
         }
         let state = VmState::decode(blob).map_err(|e| ReceiveError::BadState(e.to_string()))?;
-        Ok(self.vm.as_mut().expect("created first").restore_state(&state)?)
+        Ok(self
+            .vm
+            .as_mut()
+            .expect("created first")
+            .restore_state_with_cache(&state, disk_cache.map(|d| (d.spec, d.cache)))?)
     }
 
     fn start(&mut self) -> Result<(), ReceiveError> {
@@ -85,7 +104,11 @@ impl Landing for MemoryLanding {
         Ok(self.memory.insert(mem).clone())
     }
 
-    fn restore(&mut self, _state: &[u8]) -> Result<(), ReceiveError> {
+    fn opens_storage(&self) -> bool {
+        false
+    }
+
+    fn restore(&mut self, _state: &[u8], _disk_cache: Option<WarmDisk>) -> Result<(), ReceiveError> {
         Ok(())
     }
 

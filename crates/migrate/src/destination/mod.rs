@@ -14,6 +14,7 @@ pub mod landing;
 mod options;
 pub mod postcopy;
 mod receiver;
+mod warm;
 
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 use tsubame_vmm::Vm;
 
 pub use error::ReceiveError;
-pub use landing::{Landing, MemoryLanding};
+pub use landing::{Landing, MemoryLanding, WarmDisk};
 pub use options::ReceiveOptions;
 pub use postcopy::{PostcopyHandle, PostcopyOutcome};
 

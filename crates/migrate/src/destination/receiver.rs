@@ -15,15 +15,16 @@ use tsubame_vmm::memory::{self, GuestMemory};
 use super::apply::{PageMarks, ShardWorker};
 use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
 use super::error::ReceiveError;
-use super::landing::Landing;
+use super::landing::{Landing, WarmDisk};
 use super::options::ReceiveOptions;
 use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
+use super::warm::WarmFill;
 use crate::buffer_budget::BufferBudget;
 use crate::digest::BackgroundDigest;
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
-    self, shard_codecs, Digest, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning, PostcopyStart,
-    ReceiverState, ShardLayout, WireError, MAX_REPAIR_ROUNDS,
+    self, shard_codecs, Digest, DiskWritten, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning, PostcopyStart,
+    ReceiverState, ShardLayout, WarmBlocks, WarmData, WireError, MAX_REPAIR_ROUNDS,
 };
 use crate::stats::process_cpu_seconds;
 use crate::transport::Stream;
@@ -40,6 +41,10 @@ pub(super) struct StreamReceiver<'a> {
     iterations: u32,
     /// This process's CPU time when the connection came.
     cpu_start: f64,
+    /// The disk cache a warm migration fills ahead of the VM.
+    warm: Option<WarmFill>,
+    /// False when the landing never opens storage (disk frames ignored).
+    opens_storage: bool,
 }
 
 /// The threads and tables of a migration being received.
@@ -93,6 +98,8 @@ impl<'a> StreamReceiver<'a> {
             state: ReceiverState::Hello,
             iterations: 0,
             cpu_start: process_cpu_seconds(),
+            warm: None,
+            opens_storage: true,
         }
     }
 
@@ -120,6 +127,7 @@ impl<'a> StreamReceiver<'a> {
         protocol::read_preamble(&mut reader)?;
         self.next(&mut reader)?;
         let hello = Hello::decode(&self.frame.buf)?;
+        self.opens_storage = landing.opens_storage();
         let session = self.accept(&hello, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
         // Hashed in the background as pages land, so that after STATE only
@@ -159,7 +167,8 @@ impl<'a> StreamReceiver<'a> {
         drop(workers);
         match end {
             MemoryEnd::State(state) => {
-                landing.restore(&state)?;
+                let disk_cache = self.finish_warm();
+                landing.restore(&state, disk_cache)?;
                 write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Ready, &[]))?;
                 self.state = ReceiverState::Ready;
                 (self.log)("memory verified; ready, waiting for commit");
@@ -178,7 +187,8 @@ impl<'a> StreamReceiver<'a> {
                 let timeout = Duration::from_millis(start.timeout_ms as u64);
                 let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout)?;
                 let _ = shared.postcopy.set(postcopy.clone());
-                landing.restore(&state)?;
+                let disk_cache = self.finish_warm();
+                landing.restore(&state, disk_cache)?;
                 landing.start_postcopy()?;
                 let running = PostcopyRunning { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
                 // The VM runs here from now on, whether this reaches the
@@ -206,6 +216,16 @@ impl<'a> StreamReceiver<'a> {
                 Ok(Outcome { iterations: self.iterations, postcopy: Some(handle) })
             }
         }
+    }
+
+    /// The warm disk cache, filling stopped, for the VM's disk.
+    fn finish_warm(&mut self) -> Option<WarmDisk> {
+        let (spec, cache, listed, stats) = self.warm.take()?.finish();
+        (self.log)(&format!(
+            "warm cache: {} of {listed} listed blocks read ahead, {} dropped as written at the source since",
+            stats.warmed_blocks, stats.invalidated_blocks
+        ));
+        Some(WarmDisk { spec, cache })
     }
 
     /// Checks HELLO, creates the landing, says ACCEPT, accepts the extra
@@ -342,6 +362,32 @@ impl<'a> StreamReceiver<'a> {
                     digest.mark(memory::take_vmm_dirty(mem));
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
+                FrameKind::WarmBlocks | FrameKind::DiskWritten | FrameKind::WarmData if !self.opens_storage => {}
+                FrameKind::WarmData => {
+                    let Some(warm) = self.warm.as_ref() else {
+                        return Err(
+                            WireError::Unexpected { got: FrameKind::WarmData, expected: "WARM_BLOCKS first" }.into()
+                        );
+                    };
+                    warm.data(&WarmData::decode(&self.frame.buf, warm.size_bytes())?);
+                }
+                FrameKind::WarmBlocks => {
+                    let list = WarmBlocks::decode(&self.frame.buf)?;
+                    match self.warm.as_mut() {
+                        Some(warm) => warm.add(list)?,
+                        None => self.warm = Some(WarmFill::start(list, self.log)?),
+                    }
+                }
+                FrameKind::DiskWritten => {
+                    let Some(warm) = self.warm.as_ref() else {
+                        return Err(WireError::Unexpected {
+                            got: FrameKind::DiskWritten,
+                            expected: "WARM_BLOCKS first",
+                        }
+                        .into());
+                    };
+                    warm.written(&DiskWritten::decode(&self.frame.buf, warm.size_bytes())?);
+                }
                 FrameKind::Postcopy => {
                     let start = PostcopyStart::decode(&self.frame.buf, memory::page_count(mem))?;
                     if let Some(last) = start.last_iteration {

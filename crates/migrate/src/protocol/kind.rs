@@ -7,8 +7,9 @@ pub const MAGIC: [u8; 8] = *b"TSBMIGR\0";
 /// First 8 bytes of a secure handshake (docs/security.md).
 pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// Version of this format; both ends must speak the same (3 added
-/// post-copy: HELLO's flags and the post-copy frames).
-pub const VERSION: u32 = 3;
+/// post-copy: HELLO's flags and the post-copy frames; 4 the disk: its
+/// state in STATE's `VmState`, WARM_BLOCKS and DISK_WRITTEN).
+pub const VERSION: u32 = 4;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -66,6 +67,14 @@ pub enum FrameKind {
     Resume = 20,
     /// The destination knows the session: the pages it still lacks.
     ResumeAck = 21,
+    /// Blocks of the source's disk cache, hottest first: the destination
+    /// reads them from the shared storage before the VM arrives.
+    WarmBlocks = 22,
+    /// Blocks the guest wrote since WARM_BLOCKS: their early copies are
+    /// stale.
+    DiskWritten = 23,
+    /// Contents of blocks named in WARM_BLOCKS, from the source's cache.
+    WarmData = 24,
 }
 
 impl FrameKind {
@@ -94,6 +103,9 @@ impl FrameKind {
             19 => PostcopyDone,
             20 => Resume,
             21 => ResumeAck,
+            22 => WarmBlocks,
+            23 => DiskWritten,
+            24 => WarmData,
             _ => return None,
         })
     }

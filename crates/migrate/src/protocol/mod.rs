@@ -27,6 +27,7 @@
 //! reconnecting a cut link), far memory (the map of pages that live on a
 //! memory host), and warm storage caches (the source's hot block list).
 
+pub mod disk;
 pub mod fields;
 pub mod frame;
 pub mod kind;
@@ -36,6 +37,7 @@ pub mod pages;
 pub mod shard;
 pub mod state;
 
+pub use disk::{DiskWritten, WarmBlocks, WarmData};
 pub use fields::Fields;
 pub use frame::{
     frame_header, parse_header, read_frame, read_frame_reserving, read_preamble, write_frame, write_preamble,

@@ -128,7 +128,10 @@ impl ReceiverState {
         kind == Error
             || match self {
                 R::Hello => kind == Hello,
-                R::Iterating => kind.carries_pages() || matches!(kind, IterationEnd | State | Postcopy),
+                R::Iterating => {
+                    kind.carries_pages()
+                        || matches!(kind, IterationEnd | State | Postcopy | WarmBlocks | DiskWritten | WarmData)
+                }
                 R::AwaitDigest => kind == Digest,
                 // Repairs go out whole and plain (never compressed).
                 R::Repairing => matches!(kind, Pages | IterationEnd | Digest),
@@ -143,7 +146,7 @@ impl ReceiverState {
     pub fn expects(self) -> &'static str {
         match self {
             ReceiverState::Hello => "HELLO",
-            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE or POSTCOPY",
+            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE, POSTCOPY or a disk frame",
             ReceiverState::AwaitDigest => "DIGEST",
             ReceiverState::Repairing => "PAGES or DIGEST",
             ReceiverState::Ready => "COMMIT",
@@ -167,7 +170,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 21] = [
+    const ALL: [FrameKind; 24] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -189,6 +192,9 @@ mod tests {
         FrameKind::PostcopyDone,
         FrameKind::Resume,
         FrameKind::ResumeAck,
+        FrameKind::WarmBlocks,
+        FrameKind::DiskWritten,
+        FrameKind::WarmData,
     ];
 
     #[test]
@@ -196,7 +202,7 @@ mod tests {
         use ReceiverState as R;
         let accepted = |s: R| ALL.iter().filter(|&&k| s.accepts(k)).count();
         assert_eq!(accepted(R::Hello), 2);
-        assert_eq!(accepted(R::Iterating), 7);
+        assert_eq!(accepted(R::Iterating), 10);
         assert_eq!(accepted(R::Postcopy), 3);
         assert_eq!(accepted(R::Repairing), 4);
         assert_eq!(accepted(R::Committed), 1);

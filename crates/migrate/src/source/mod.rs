@@ -17,6 +17,7 @@ mod precopy;
 pub mod send;
 mod stop;
 pub mod vm;
+mod warm;
 pub mod zerocopy;
 
 use std::io::BufWriter;
@@ -70,6 +71,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         pacer: None,
         to: to.clone(),
         session: session_id(),
+        warm_unsent: Vec::new(),
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -83,6 +85,7 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
     }
     let committed = run.committed();
     run.finish_engine();
+    vm.disk_warm_stop();
     let mut stats = std::mem::take(&mut run.stats);
     stats.total_time_ms = ms(start.elapsed());
     stats.cpu_seconds.source = process_cpu_seconds() - cpu_process;
@@ -176,6 +179,9 @@ struct SourceRun<'a> {
     to: Address,
     /// Names this migration on its extra channels and on a resume.
     session: u64,
+    /// The disk cache's blocks named in WARM_BLOCKS whose contents are
+    /// still to go (WARM_DATA after the first iteration).
+    warm_unsent: Vec<u64>,
 }
 
 impl SourceRun<'_> {
@@ -227,6 +233,7 @@ impl SourceRun<'_> {
         };
         self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer)?);
 
+        self.send_warm_blocks()?;
         self.enter(SourceState::Iterating);
         match self.precopy()? {
             PrecopyEnd::StopAndCopy => self.stop_and_copy(),

@@ -167,8 +167,12 @@ impl SourceRun<'_> {
         let timeout_ms = self.options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
         let start = PostcopyStart { last_iteration, timeout_ms, missing: missing.clone() };
         let blob = vm.state_blob()?;
+        let written = self.disk_written_frames();
         {
             let w = &mut writers[0];
+            for payload in &written {
+                protocol::write_frame(w, FrameKind::DiskWritten, payload)?;
+            }
             protocol::write_frame(w, FrameKind::Postcopy, &start.encode())?;
             write_frame_flushed(w, FrameKind::State, &blob)?;
         }

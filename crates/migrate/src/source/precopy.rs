@@ -58,8 +58,14 @@ impl SourceRun<'_> {
             self.bandwidth.store(bw.to_bits(), Ordering::Relaxed);
             self.stats.per_iteration.push(it.clone());
             iteration += 1;
+            if iteration == 1 {
+                // The bulk of memory is across: the disk cache's contents
+                // next, before the dirty log says how much is left.
+                self.send_warm_data()?;
+            }
 
             vm.dirty_log(&mut bitmap)?;
+            self.send_disk_written()?;
             let remaining = bitmap.count();
             self.stats.expected_downtime_ms = ms(self.policy.expected(remaining, bw));
             let decision = self.policy.decide(

@@ -38,6 +38,9 @@ impl SourceRun<'_> {
         let mut breakdown = DowntimeBreakdown::default();
         vm.pause()?;
         laps(&mut breakdown.pause_ms);
+        // Before STATE: the destination drops its stale early copies of
+        // the blocks written since the last iteration's list.
+        self.send_disk_written()?;
         // With manual protect KVM's bits stay set until cleared, so the new
         // log is a superset of them; the VMM's own writes were taken with
         // the last log and are only in `pending`: keep both.
@@ -102,7 +105,7 @@ impl SourceRun<'_> {
     }
 
     /// Writes a control frame on channel 0 and flushes it.
-    fn write_control(&mut self, kind: FrameKind, payload: &[u8]) -> Result<(), SourceError> {
+    pub(super) fn write_control(&mut self, kind: FrameKind, payload: &[u8]) -> Result<(), SourceError> {
         let mut writer = self.engine().writer(0);
         write_frame_flushed(&mut *writer, kind, payload)?;
         Ok(())

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use tsubame_vmm::memory::GuestMemory;
-use tsubame_vmm::{DirtyBitmap, VcpuStatus, Vm, VmError};
+use tsubame_vmm::{DirtyBitmap, DiskWarmList, VcpuStatus, Vm, VmError};
 
 /// A migratable memory with a dirty log.
 pub trait SourceVm: Sync {
@@ -42,6 +42,22 @@ pub trait SourceVm: Sync {
     /// Makes the guest sleep this share of its time (auto-converge; 0:
     /// run freely). A source whose guest cannot be slowed ignores it.
     fn set_throttle(&self, _fraction: f64) {}
+    /// The disk cache's blocks, hottest first (at most `max_blocks`), and
+    /// from now on a record of the blocks the guest writes; `None` without
+    /// a disk cache.
+    fn disk_warm_start(&self, _max_blocks: usize) -> Option<DiskWarmList> {
+        None
+    }
+    /// Blocks written since the warm start or the last call.
+    fn disk_written_blocks(&self) -> Vec<u64> {
+        Vec::new()
+    }
+    /// The cached contents of those of `blocks` the disk cache holds.
+    fn disk_cached_blocks(&self, _blocks: &[u64]) -> Vec<(u64, Vec<u8>)> {
+        Vec::new()
+    }
+    /// Stops recording written blocks.
+    fn disk_warm_stop(&self) {}
 }
 
 impl SourceVm for Vm {
@@ -83,5 +99,17 @@ impl SourceVm for Vm {
     }
     fn set_throttle(&self, fraction: f64) {
         Vm::set_throttle(self, fraction)
+    }
+    fn disk_warm_start(&self, max_blocks: usize) -> Option<DiskWarmList> {
+        Vm::disk_warm_start(self, max_blocks)
+    }
+    fn disk_written_blocks(&self) -> Vec<u64> {
+        Vm::disk_written_blocks(self)
+    }
+    fn disk_cached_blocks(&self, blocks: &[u64]) -> Vec<(u64, Vec<u8>)> {
+        Vm::disk_cached_blocks(self, blocks)
+    }
+    fn disk_warm_stop(&self) {
+        Vm::disk_warm_stop(self)
     }
 }
