@@ -26,6 +26,10 @@ pub struct GuestProgress {
     pub mean_ops_per_sec: f64,
     /// The guest's error or exception line, if it printed one.
     pub error: Option<String>,
+    /// The latest line's further `key=value` counters (disk workloads:
+    /// `rd`, `wr` bytes; `ack`, the last write acknowledged).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub fields: std::collections::BTreeMap<String, u64>,
     #[serde(skip)]
     first: Option<(Instant, u64)>,
     #[serde(skip)]
@@ -38,6 +42,13 @@ impl GuestProgress {
             self.lines += 1;
             self.ops = ops;
             self.pass = pass;
+            for token in text.split_ascii_whitespace().skip(3) {
+                if let Some((key, value)) = token.split_once('=') {
+                    if let Ok(value) = value.parse() {
+                        self.fields.insert(key.to_string(), value);
+                    }
+                }
+            }
             let (t0, ops0) = *self.first.get_or_insert((at, ops));
             let span = at.duration_since(t0).as_secs_f64();
             if span > 0.0 {
@@ -141,6 +152,10 @@ mod tests {
         p.record(t0, "tsb ops=0 pass=0");
         p.record(t0 + Duration::from_millis(500), "tsb ops=500 pass=0");
         p.record(t0 + Duration::from_millis(1000), "tsb ops=1000 pass=1");
+        assert!(p.fields.is_empty());
+        p.record(t0 + Duration::from_millis(1100), "tsb ops=1100 pass=1 rd=8192 ack=7");
+        assert_eq!(p.fields.get("rd"), Some(&8192));
+        assert_eq!(p.fields.get("ack"), Some(&7));
         assert!((p.mean_ops_per_sec - 1000.0).abs() < 1.0);
         assert_eq!(p.pass, 1);
         p.record(t0, "tsubame-guest: exception vector=14 rip=0x1");

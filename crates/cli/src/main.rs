@@ -3,6 +3,7 @@
 mod console;
 mod control;
 mod demo;
+mod disk_cmd;
 mod migrate_cmd;
 mod plot;
 mod receive;
@@ -50,6 +51,11 @@ enum Command {
     /// Migrate a trace replaying into plain memory: the real engine without
     /// KVM (the destination runs `receive --memory-only`).
     Replay(replay_cmd::ReplayArgs),
+    /// Create a raw disk image for --disk.
+    DiskCreate(disk_cmd::DiskCreateArgs),
+    /// Check a disk the disk-mixed workload wrote: every acknowledged write
+    /// there once and intact.
+    DiskCheck(disk_cmd::DiskCheckArgs),
     /// Write the embedded guest ELF to FILE (to boot it under QEMU).
     GuestElf {
         /// Where to write the multiboot ELF.
@@ -113,6 +119,8 @@ fn main() -> ExitCode {
         Command::Trace(args) => trace_cmd::trace(args),
         Command::Simulate(args) => trace_cmd::simulate_cmd(args),
         Command::Plan(args) => trace_cmd::plan(args),
+        Command::DiskCreate(args) => disk_cmd::create(args),
+        Command::DiskCheck(args) => disk_cmd::check(args),
         Command::GuestElf { file } => std::fs::write(&file, tsubame_vmm::guest_elf::GUEST_ELF)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display())),
     };

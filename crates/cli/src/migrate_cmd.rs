@@ -56,6 +56,10 @@ pub struct MigrateFlags {
     /// How long a cut post-copy link is retried before the VM is given up.
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
     pub postcopy_timeout: u64,
+    /// Do not send the disk cache's block list ahead: the destination's
+    /// block cache starts cold (for comparison; warm is the default).
+    #[arg(long)]
+    pub no_warm_cache: bool,
     /// Page codecs, comma-separated: zero, rle, xbzrle[=CACHE], dedup[=CACHE],
     /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
     /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
@@ -179,6 +183,7 @@ impl MigrateFlags {
             security: security(self.psk_file.as_deref(), &self.tls, self.insecure)?,
             postcopy,
             postcopy_timeout: Duration::from_secs(self.postcopy_timeout),
+            warm_cache: !self.no_warm_cache,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;
@@ -382,6 +387,15 @@ pub fn print_summary(stats: &MigrationStats) {
             p.fault_latency_max_us,
             p.pages_pushed,
             if p.guest_ops_per_sec > 0.0 { format!("; guest {:.0} ops/s meanwhile", p.guest_ops_per_sec) } else { String::new() }
+        );
+    }
+    if let Some(w) = &stats.warm_cache {
+        println!(
+            "  warm cache:  {} blocks of the disk cache named ahead ({}), {} of them sent, {} written during the migration and dropped there",
+            w.blocks_listed,
+            format_bytes(w.blocks_listed * 4096),
+            w.blocks_sent,
+            w.blocks_written
         );
     }
     println!("  verified:    {}", if stats.digest_verified { "memory digest matched" } else { "no" });

@@ -54,6 +54,8 @@ pub struct MigrateRequest {
     pub postcopy: Option<String>,
     /// Seconds a cut post-copy link is retried.
     pub postcopy_timeout_s: Option<u64>,
+    /// Send the disk cache's block list ahead (default true).
+    pub warm_cache: Option<bool>,
     /// A pre-shared key file (a path the VM's process can open).
     pub psk_file: Option<PathBuf>,
     /// This end's TLS certificate.
@@ -124,6 +126,7 @@ impl MigrateRequest {
             insecure: Some(options.security.insecure),
             postcopy: Some(options.postcopy.to_string()),
             postcopy_timeout_s: Some(options.postcopy_timeout.as_secs()),
+            warm_cache: Some(options.warm_cache),
             psk_file: files.psk.clone(),
             tls_cert: files.tls_cert.clone(),
             tls_key: files.tls_key.clone(),
@@ -163,6 +166,7 @@ impl MigrateRequest {
         set(&mut options.zero_copy, self.zero_copy);
         set(&mut options.abort_if_not_converged, self.abort_if_not_converged);
         set(&mut options.security.insecure, self.insecure);
+        set(&mut options.warm_cache, self.warm_cache);
         if let Some(mode) = &self.postcopy {
             options.postcopy = mode.parse()?;
         }

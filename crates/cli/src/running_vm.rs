@@ -244,6 +244,7 @@ impl RunningVm {
             "uptime_ms": self.started.elapsed().as_millis() as u64,
             "memory_arriving": self.arriving.load(Ordering::Acquire),
             "guest": progress,
+            "disk": self.vm.disk_stats(),
         })
     }
 }

@@ -22,6 +22,13 @@
 //! - a running copy's guest makes progress without a guest error (the kv
 //!   guest verifies the values it reads: corrupted memory stops it), and a
 //!   copy at the destination passed the memory digest check.
+//!
+//! The same trials run a second time with a `disk-mixed` guest on a disk
+//! image both ends open (`TSUBAME_DISK_FAULT_TRIALS`, 50 by default):
+//! afterwards every write the guest saw acknowledged must be on the image
+//! exactly once, intact, in its place (`tsubame_block::records::check`),
+//! and a guest that read back a stale block (a warm cache that missed a
+//! write) stops with an error, which counts as broken.
 
 mod common;
 
@@ -234,6 +241,9 @@ enum Outcome {
 }
 
 const VM: &[&str] = &["--memory", "64M", "--workload", "kv", "--workload-arg", "wss=16M"];
+const DISK_VM: &[&str] = &["--memory", "64M", "--workload", "disk-mixed", "--block-cache", "8M"];
+/// Size of each disk trial's image.
+const DISK_BYTES: u64 = 32 << 20;
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
@@ -254,13 +264,40 @@ fn guest_progresses(socket: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outcome {
-    let dir = scratch(&format!("faults-{index}"));
+/// One trial; with a disk, then checks the image against the last write
+/// the surviving copy's guest saw acknowledged.
+fn trial(index: usize, rng: &mut Rng, action: Action, point: Point, disk: bool) -> Outcome {
+    let dir = scratch(&format!("faults-{}{index}", if disk { "disk-" } else { "" }));
+    let image = dir.join("disk.img");
+    let mut vm: Vec<String> = (if disk { DISK_VM } else { VM }).iter().map(|s| s.to_string()).collect();
+    if disk {
+        std::fs::File::create(&image).unwrap().set_len(DISK_BYTES).unwrap();
+        vm.extend(["--disk".to_string(), image.display().to_string()]);
+    }
+    let (outcome, acked) = trial_outcome(&dir, rng, action, point, &vm);
+    if !disk || !matches!(outcome, Outcome::OneRunning(_) | Outcome::DiedWithSource | Outcome::SourcePausedSaysSo) {
+        return outcome;
+    }
+    // Both processes are gone now (killed when the trial ended).
+    let report = tsubame_block::records::check(&mut std::fs::File::open(&image).unwrap(), None, acked).unwrap();
+    if report.run.is_none() || !report.ok() {
+        return Outcome::Broken(format!("{outcome:?}, last acknowledged write {acked:?}: the image fails: {report:?}"));
+    }
+    outcome
+}
+
+/// The last write the guest at `socket` saw acknowledged.
+fn acked(socket: &Path) -> Option<u64> {
+    control(socket, &json!({"cmd": "stats"}))?["guest"]["fields"]["ack"].as_u64()
+}
+
+fn trial_outcome(dir: &Path, rng: &mut Rng, action: Action, point: Point, vm: &[String]) -> (Outcome, Option<u64>) {
+    let vm: Vec<&str> = vm.iter().map(String::as_str).collect();
     let source_sock = dir.join("source.sock");
     let dest_sock = dir.join("dest.sock");
     let incoming = dir.join("incoming.sock");
     let dest_log = dir.join("dest.log");
-    let mut source = spawn_run(&source_sock, VM, Stdio::null());
+    let mut source = spawn_run(&source_sock, &vm, Stdio::null());
     let mut dest = spawn_receive(&incoming, Some(&dest_sock), std::fs::File::create(&dest_log).unwrap().into());
     wait_for_socket(&source_sock);
     wait_for_socket(&dest_sock);
@@ -289,7 +326,7 @@ fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outcome {
     });
     let reply = control(&source_sock, &request);
     if reply.as_ref().map(|r| r["ok"] != true).unwrap_or(true) {
-        return Outcome::Broken(format!("migrate request failed: {reply:?}"));
+        return (Outcome::Broken(format!("migrate request failed: {reply:?}")), None);
     }
 
     // Wait until the source's migration ended (or the source is gone).
@@ -315,7 +352,7 @@ fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outcome {
             break;
         }
         if Instant::now() > deadline {
-            return Outcome::Broken(format!("destination never settled: {log}"));
+            return (Outcome::Broken(format!("destination never settled: {log}")), None);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -336,40 +373,40 @@ fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outcome {
         )
     };
     if dest_other {
-        return Outcome::Broken(format!("destination holds a VM that does not run: {}", describe()));
+        return (Outcome::Broken(format!("destination holds a VM that does not run: {}", describe())), None);
     }
     if source_running && dest_running {
-        return Outcome::Duplicated(describe());
+        return (Outcome::Duplicated(describe()), None);
     }
     if source_running {
         if let Err(e) = guest_progresses(&source_sock) {
-            return Outcome::Broken(format!("{e}: {}", describe()));
+            return (Outcome::Broken(format!("{e}: {}", describe())), None);
         }
         if seen.commit_delivered {
-            return Outcome::Broken(format!("the source resumed after COMMIT: {}", describe()));
+            return (Outcome::Broken(format!("the source resumed after COMMIT: {}", describe())), None);
         }
-        return Outcome::OneRunning("source");
+        return (Outcome::OneRunning("source"), acked(&source_sock));
     }
     if dest_running {
         if let Err(e) = guest_progresses(&dest_sock) {
-            return Outcome::Broken(format!("{e}: {}", describe()));
+            return (Outcome::Broken(format!("{e}: {}", describe())), None);
         }
         if !read(&dest_log).contains("memory verified") {
-            return Outcome::Broken(format!("destination runs an unverified VM: {}", describe()));
+            return (Outcome::Broken(format!("destination runs an unverified VM: {}", describe())), None);
         }
         if source_query["status"] == "completed" && source_query["stats"]["digest_verified"] != true {
-            return Outcome::Broken(format!("completed without digest_verified: {}", describe()));
+            return (Outcome::Broken(format!("completed without digest_verified: {}", describe())), None);
         }
-        return Outcome::OneRunning("destination");
+        return (Outcome::OneRunning("destination"), acked(&dest_sock));
     }
     let says_paused = source_query["stats"]["error"].as_str().is_some_and(|e| e.contains("stays paused here"));
     if source_paused && says_paused && seen.commit_sent {
-        return Outcome::SourcePausedSaysSo;
+        return (Outcome::SourcePausedSaysSo, acked(&source_sock));
     }
     if action == Action::KillSource && !seen.commit_delivered && !source.alive() {
-        return Outcome::DiedWithSource;
+        return (Outcome::DiedWithSource, None);
     }
-    Outcome::Lost(describe())
+    (Outcome::Lost(describe()), None)
 }
 
 #[test]
@@ -377,11 +414,24 @@ fn faults_at_random_points_never_lose_or_duplicate_the_vm() {
     if !kvm_or_skip() {
         return;
     }
-    let trials: usize = std::env::var("TSUBAME_FAULT_TRIALS").ok().and_then(|t| t.parse().ok()).unwrap_or(50);
+    fault_suite("TSUBAME_FAULT_TRIALS", false);
+}
+
+#[test]
+fn faults_never_lose_an_acknowledged_disk_write() {
+    if !kvm_or_skip() {
+        return;
+    }
+    fault_suite("TSUBAME_DISK_FAULT_TRIALS", true);
+}
+
+fn fault_suite(trials_variable: &str, disk: bool) {
+    let name = if disk { "disk faults" } else { "faults" };
+    let trials: usize = std::env::var(trials_variable).ok().and_then(|t| t.parse().ok()).unwrap_or(50);
     let seed: u64 = std::env::var("TSUBAME_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
-    println!("faults: seed {seed} (TSUBAME_FAULT_SEED={seed} repeats this run)");
+    println!("{name}: seed {seed} (TSUBAME_FAULT_SEED={seed} repeats this run)");
     let mut rng = Rng(seed);
     let actions = [Action::KillSource, Action::KillDestination, Action::Cut];
     let started = Instant::now();
@@ -399,8 +449,8 @@ fn faults_at_random_points_never_lose_or_duplicate_the_vm() {
             5 => Point::Commit { delivered: rng.below(2) == 0 },
             _ => Point::Resumed,
         };
-        let outcome = trial(index, &mut rng, action, point);
-        println!("faults: trial {index:>3}: {action:?} at {point:?}: {outcome:?}");
+        let outcome = trial(index, &mut rng, action, point, disk);
+        println!("{name}: trial {index:>3}: {action:?} at {point:?}: {outcome:?}");
         let key = match &outcome {
             Outcome::OneRunning(w) => format!("one running ({w})"),
             Outcome::DiedWithSource => "died with the killed source".into(),
@@ -417,8 +467,8 @@ fn faults_at_random_points_never_lose_or_duplicate_the_vm() {
             _ => {}
         }
     }
-    println!("faults: outcomes {tally:?} in {:.0} s", started.elapsed().as_secs_f64());
-    println!("faults: {trials} trials, {lost} lost, {duplicated} duplicated");
+    println!("{name}: outcomes {tally:?} in {:.0} s", started.elapsed().as_secs_f64());
+    println!("{name}: {trials} trials, {lost} lost, {duplicated} duplicated");
     assert!(broken.is_empty(), "{} broken trials:\n{}", broken.len(), broken.join("\n"));
     assert_eq!((lost, duplicated), (0, 0), "VMs lost or duplicated");
 }
