@@ -111,6 +111,24 @@ fn a_warm_migration_fills_the_destination_cache() {
 }
 
 #[test]
+fn a_post_copy_migration_warms_the_destination_cache_too() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // Post-copy at once: the block list still goes first and the
+    // destination fills its cache from storage before the VM's state
+    // arrives, so the guest's disk reads there are hits while its memory
+    // is still being fetched.
+    let (stats, disk) = migrate_disk_seq("disk-warm-postcopy", &["--postcopy", "after=0"]);
+    assert!(!stats["postcopy"].is_null(), "the migration switched to post-copy: {stats}");
+    assert!(stats["warm_cache"]["blocks_listed"].as_u64().unwrap_or(0) >= 4096, "{stats}");
+    let cache = &disk["cache"];
+    assert!(cache["warmed_blocks"].as_u64().unwrap() >= 4000, "{disk}");
+    let (hits, misses) = (cache["hits"].as_u64().unwrap(), cache["misses"].as_u64().unwrap());
+    assert!(hits > 200 && misses * 10 < hits, "{disk}");
+}
+
+#[test]
 fn without_warm_migration_the_destination_starts_cold() {
     if !kvm_or_skip() {
         return;
