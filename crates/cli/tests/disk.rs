@@ -194,3 +194,75 @@ fn bad_disk_options_are_one_line_errors() {
     let out = tsubame().args(["disk-create", "--size", "1000"]).arg(dir.join("new.img")).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn a_destination_that_sees_another_disk_fails_the_migration_and_the_source_runs_on() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // The same relative path names a 64 MiB image at the source and a
+    // 32 MiB one at the destination: as two hosts whose mounts differ.
+    let dir = scratch("disk-mismatch");
+    let (src_dir, dst_dir) = (dir.join("src"), dir.join("dst"));
+    for (d, bytes) in [(&src_dir, 64u64 << 20), (&dst_dir, 32 << 20)] {
+        std::fs::create_dir_all(d).unwrap();
+        image(d, bytes);
+    }
+    let (source_sock, incoming) = (dir.join("source.sock"), dir.join("in.sock"));
+    let _source = common::Proc(
+        tsubame()
+            .current_dir(&src_dir)
+            .args(["run", "--quiet", "--control"])
+            .arg(&source_sock)
+            .args(["--memory", "64M", "--workload", "disk-mixed", "--disk", "disk.img", "--block-cache", "8M"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let _dest = common::Proc(
+        tsubame()
+            .current_dir(&dst_dir)
+            .args(["receive", "--quiet", "--listen"])
+            .arg(format!("unix:{}", incoming.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_socket(&source_sock);
+    let before = wait_guest(&source_sock, "writes", |g| field(g, "ack") > 50);
+    let out = tsubame()
+        .arg("migrate")
+        .arg("--control")
+        .arg(&source_sock)
+        .arg("--to")
+        .arg(format!("unix:{}", incoming.display()))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("bytes here") && err.contains("at the source"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // The source's guest writes on, and its disk holds every acknowledged
+    // write.
+    let acked = field(&before["guest"], "ack");
+    let after = wait_guest(&source_sock, "writes after the failed migration", |g| field(g, "ack") > acked + 100);
+    assert_eq!(after["status"], "running", "{after}");
+}
+
+#[test]
+fn an_unreachable_nbd_server_is_a_one_line_error() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // Port 1 on loopback: nothing listens, the connection is refused.
+    let out = tsubame()
+        .args(["run", "--memory", "16M", "--seconds", "1", "--workload", "kv", "--disk", "nbd://127.0.0.1:1/x"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("127.0.0.1:1"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
