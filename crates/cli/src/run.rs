@@ -30,6 +30,31 @@ pub struct RunArgs {
     /// Do not print the guest's lines.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Keep at most this much guest memory resident (with --far-memory):
+    /// colder pages live on the memory host and come back on access.
+    #[arg(long, value_name = "SIZE", requires = "far_memory")]
+    pub local_memory: Option<String>,
+    /// Borrow a memory host's RAM: an NBD export at least as large as
+    /// guest memory (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH,
+    /// e.g. served by `nbdkit memory 8G`). Give two (repeat the flag, or
+    /// separate with a comma) to mirror every page to both: losing one
+    /// pauses nothing; losing both pauses the VM.
+    #[arg(long, value_name = "URI", requires = "local_memory", value_delimiter = ',')]
+    pub far_memory: Vec<String>,
+}
+
+impl RunArgs {
+    /// Far memory's configuration, when asked for.
+    fn far_config(&self) -> anyhow::Result<Option<tsubame_farmem::FarConfig>> {
+        let Some(local) = &self.local_memory else { return Ok(None) };
+        let local_bytes = parse_size(local).map_err(|e| usage_error(format!("--local-memory: {e}")))?;
+        let stores = self
+            .far_memory
+            .iter()
+            .map(|uri| uri.parse().map_err(|e: tsubame_block::BlockError| usage_error(format!("--far-memory: {e}"))))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Some(tsubame_farmem::FarConfig { local_bytes, stores }))
+    }
 }
 
 /// What VM to boot.
@@ -137,11 +162,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.seconds.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
         return Err(usage_error("--seconds must be a positive number"));
     }
-    let mut vm = args.vm.boot()?;
+    let far_config = args.far_config()?;
+    let mut vm_args = args.vm.clone();
+    if far_config.is_some() {
+        // Far memory moves 4 KiB pages: no huge pages to split.
+        vm_args.no_hugepages = true;
+    }
+    let mut vm = vm_args.boot()?;
+    let far = match far_config {
+        Some(config) => Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?),
+        None => None,
+    };
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
     vm.start(false)?;
-    let host = RunningVm::new(Arc::new(vm), console, args.vm.description());
+    let vm = Arc::new(vm);
+    let host = RunningVm::new(vm.clone(), console, args.vm.description());
+    if let Some(far) = far {
+        host.set_far(far.start(vm).map_err(far_error)?);
+        watch_far_memory(&host);
+    }
     let _server = match &args.control {
         Some(path) => Some(ControlServer::start(path, host.clone() as Arc<dyn ControlHandler>)?),
         None => None,
@@ -165,8 +205,80 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(disk) = host.vm.disk_stats() {
         eprintln!("tsubame: {}", crate::disk_cmd::disk_summary(&disk));
     }
+    if let Some(far) = host.far_stats() {
+        eprintln!("tsubame: {}", far_summary(&far));
+        if let Some(error) = far.error {
+            anyhow::bail!("{error}");
+        }
+    }
     if progress.lines == 0 && !matches!(end, VmEnd::Migrated(_)) {
         anyhow::bail!("the guest printed no progress");
     }
     Ok(())
+}
+
+fn far_error(e: tsubame_farmem::FarError) -> anyhow::Error {
+    match e {
+        tsubame_farmem::FarError::Config(_) => usage_error(e.to_string()),
+        other => anyhow::anyhow!("{other}"),
+    }
+}
+
+/// Says once, on stderr, when far memory is lost and the VM paused.
+fn watch_far_memory(host: &Arc<RunningVm>) {
+    let host = Arc::downgrade(host);
+    let _ = std::thread::Builder::new().name("far-watch".into()).spawn(move || {
+        let mut told = Vec::new();
+        while let Some(host) = host.upgrade() {
+            let Some(stats) = host.far_stats() else { return };
+            drop(host);
+            for store in stats.stores.iter().filter(|s| !s.ok) {
+                if !told.contains(&store.uri) {
+                    eprintln!(
+                        "tsubame: far memory {} failed ({}); {}",
+                        store.uri,
+                        store.error.as_deref().unwrap_or("unknown"),
+                        if stats.error.is_none() { "its mirror serves on" } else { "no mirror left" }
+                    );
+                    told.push(store.uri.clone());
+                }
+            }
+            if let Some(error) = &stats.error {
+                eprintln!("tsubame: error: {error}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+}
+
+/// One line of far memory's counters.
+pub fn far_summary(far: &tsubame_farmem::FarStats) -> String {
+    let mib = |pages: u64| pages as f64 * 4096.0 / (1u64 << 20) as f64;
+    format!(
+        "far memory: {:.0} MiB resident of {} (most {:.0} MiB), {:.0} MiB far; {} faults ({} zero-filled), \
+         p50 {} µs, p99 {} µs; read-ahead {} pages, {} used; {} pages evicted ({} without a write) \
+         in {} stops ({:.1} ms); {} read, {} written; {}",
+        mib(far.resident_pages),
+        format_bytes(far.local_limit_bytes),
+        mib(far.resident_max_pages),
+        mib(far.far_pages),
+        far.faults,
+        far.zero_fills,
+        far.fault_latency_p50_us,
+        far.fault_latency_p99_us,
+        far.readahead_pages,
+        far.readahead_hits,
+        far.evicted_pages,
+        far.clean_drops,
+        far.evictions,
+        far.eviction_pause_ms,
+        format_bytes(far.bytes_read),
+        format_bytes(far.bytes_written),
+        far.stores
+            .iter()
+            .map(|s| format!("{} {}", s.uri, if s.ok { "ok" } else { "failed" }))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
 }

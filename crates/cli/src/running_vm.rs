@@ -55,6 +55,8 @@ pub struct RunningVm {
     arriving: AtomicBool,
     /// The guest's workload command line, as far as this process knows it.
     pub description: String,
+    /// Far memory, when the VM borrows a memory host's RAM.
+    far: std::sync::OnceLock<tsubame_farmem::FarMemory>,
     me: Weak<RunningVm>,
 }
 
@@ -70,8 +72,19 @@ impl RunningVm {
             tracing: AtomicBool::new(false),
             arriving: AtomicBool::new(false),
             description,
+            far: std::sync::OnceLock::new(),
             me: me.clone(),
         })
+    }
+
+    /// Hands the VM's far memory to this host (once, right after start).
+    pub fn set_far(&self, far: tsubame_farmem::FarMemory) {
+        let _ = self.far.set(far);
+    }
+
+    /// Far memory's counters, when it has far memory.
+    pub fn far_stats(&self) -> Option<tsubame_farmem::FarStats> {
+        self.far.get().map(tsubame_farmem::FarMemory::stats)
     }
 
     /// Post-copy: the VM's memory is still arriving (it cannot be
@@ -146,6 +159,9 @@ impl RunningVm {
         if self.arriving.load(Ordering::Acquire) {
             return Err("the VM's memory is still arriving (post-copy); migrate it once it is all here".into());
         }
+        if self.far.get().is_some() {
+            return Err("migrating a VM with far memory is not built yet (issue 19): run it without --far-memory".into());
+        }
         {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
@@ -202,6 +218,9 @@ impl RunningVm {
 
     /// Records a dirty-page trace of the running VM (blocks the request).
     fn trace(&self, request: &Value) -> Result<Value, String> {
+        if self.far.get().is_some() {
+            return Err("far memory reads the dirty log itself: a trace of a VM with far memory is not supported".into());
+        }
         let out = request.get("out").and_then(Value::as_str).ok_or("trace needs \"out\": a file path")?;
         let number = |key: &str, default: f64| -> Result<f64, String> {
             match request.get(key) {
@@ -235,6 +254,14 @@ impl RunningVm {
         Ok(serde_json::to_value(result?).expect("summary serializes"))
     }
 
+    /// The `query-memory` reply: guest memory, and where its pages live.
+    pub fn query_memory(&self) -> Value {
+        json!({
+            "memory_bytes": self.vm.memory_bytes(),
+            "far_memory": self.far_stats(),
+        })
+    }
+
     /// The `stats` reply.
     pub fn stats(&self) -> Value {
         let progress: GuestProgress = self.console.snapshot();
@@ -245,6 +272,7 @@ impl RunningVm {
             "memory_arriving": self.arriving.load(Ordering::Acquire),
             "guest": progress,
             "disk": self.vm.disk_stats(),
+            "far_memory": self.far_stats(),
         })
     }
 }
@@ -265,6 +293,7 @@ impl ControlHandler for RunningVm {
     fn handle(&self, cmd: &str, request: &Value) -> Result<Value, String> {
         match cmd {
             "stats" => Ok(self.stats()),
+            "query-memory" => Ok(self.query_memory()),
             "migrate" => {
                 let (to, options) = MigrateRequest::parse(request)?.options()?;
                 self.self_arc().start_migration(to, options)?;
@@ -280,7 +309,7 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             other => Err(format!(
-                "unknown command '{other}' (known: stats, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
+                "unknown command '{other}' (known: stats, query-memory, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
             )),
         }
     }

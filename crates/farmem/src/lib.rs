@@ -1,0 +1,228 @@
+//! Far memory (the remote-swap paper, issue 19): at most a set amount of
+//! a VM's memory stays resident; colder pages are written to a memory host
+//! (an NBD export, e.g. `nbdkit memory`) and dropped, and a guest access to
+//! one faults (userfaultfd) and reads it back.
+//!
+//! Two threads share the [`pager`]'s state: the fault thread installs
+//! pages the guest touches (from the export, from a write still in flight,
+//! or zeros for a page never sent away) and reads ahead along sequential
+//! and strided runs; the evictor keeps residency under the limit. To take
+//! a page away race-free it stops the vCPU for the moment of choosing,
+//! copying and dropping a batch (so no write can slip between the copy and
+//! the drop), then writes the batch back while the guest runs; until that
+//! write is done a fault on one of its pages is served from the copy.
+//!
+//! Victims come from a CLOCK over resident pages whose reference bits are
+//! what the VMM can observe: a page faulted in, and KVM's dirty log. Pages
+//! whose far copy is current (read back and not written since) are dropped
+//! without a write.
+
+mod pager;
+mod store;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use serde::{Deserialize, Serialize};
+use tsubame_block::DiskSpec;
+use tsubame_vmm::{uffd::PageFaults, Vm, PAGE_SIZE};
+
+pub use store::StoreStatus;
+
+/// Why far memory cannot start or went away.
+#[derive(Debug, thiserror::Error)]
+pub enum FarError {
+    /// An export could not be opened.
+    #[error("far memory {0}: {1}")]
+    Store(String, String),
+    /// An export smaller than guest memory.
+    #[error("far memory {uri} holds {size} bytes; this VM's memory needs {needed}")]
+    TooSmall {
+        /// The export.
+        uri: String,
+        /// Its size.
+        size: u64,
+        /// Guest memory's size.
+        needed: u64,
+    },
+    /// Bad limits.
+    #[error("{0}")]
+    Config(String),
+    /// Every export failed: pages that live there cannot come back.
+    #[error("far memory lost (every memory host failed: {0}); the VM is paused")]
+    Lost(String),
+    /// userfaultfd or the VM refused.
+    #[error("{0}")]
+    Vm(String),
+}
+
+/// What far memory is asked to do.
+#[derive(Debug, Clone)]
+pub struct FarConfig {
+    /// Most guest memory kept resident, in bytes.
+    pub local_bytes: u64,
+    /// One export, or two mirrored.
+    pub stores: Vec<DiskSpec>,
+}
+
+/// Counters, on the control socket (`query-memory`) and in the summary.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct FarStats {
+    /// The limit on resident memory.
+    pub local_limit_bytes: u64,
+    /// Resident pages now, and the most there were.
+    pub resident_pages: u64,
+    /// The most pages resident at once.
+    pub resident_max_pages: u64,
+    /// Pages whose only copy is far.
+    pub far_pages: u64,
+    /// Guest (and VMM) accesses that faulted.
+    pub faults: u64,
+    /// Of those, pages never sent away (installed as zeros).
+    pub zero_fills: u64,
+    /// Faults served from a write-back still in flight.
+    pub inflight_hits: u64,
+    /// Fault service time (read to installed), µs.
+    pub fault_latency_p50_us: u64,
+    /// 99th percentile, µs.
+    pub fault_latency_p99_us: u64,
+    /// Pages read ahead of a fault.
+    pub readahead_pages: u64,
+    /// Read-ahead pages the guest went on to use (a run of faults that
+    /// continued past them).
+    pub readahead_hits: u64,
+    /// Pages taken away, and of those dropped without a write.
+    pub evicted_pages: u64,
+    /// Evicted pages whose far copy was current: no write.
+    pub clean_drops: u64,
+    /// Times the vCPU was stopped to evict, and for how long in all (ms).
+    pub evictions: u64,
+    /// Sum of those stops, ms.
+    pub eviction_pause_ms: f64,
+    /// Bytes read from and written to the memory host(s).
+    pub bytes_read: u64,
+    /// Bytes written (counted once, however many mirrors).
+    pub bytes_written: u64,
+    /// Each export's state.
+    pub stores: Vec<StoreStatus>,
+    /// Set once every export failed.
+    pub error: Option<String>,
+}
+
+/// Far memory prepared for a VM that has not started yet: the exports are
+/// open and guest memory is registered.
+pub struct FarSetup {
+    config: FarConfig,
+    faults: Arc<PageFaults>,
+    fault_stores: store::Stores,
+    write_stores: store::Stores,
+    health: store::Health,
+}
+
+/// Far memory serving a running VM.
+pub struct FarMemory {
+    state: Arc<Mutex<pager::State>>,
+    faults: Arc<PageFaults>,
+    health: store::Health,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl FarSetup {
+    /// Opens the exports (two connections to each: faults and write-back)
+    /// and registers guest memory for missing-page faults. Call before the
+    /// vCPU starts, so every page it populates is counted.
+    pub fn prepare(vm: &Vm, config: FarConfig) -> Result<FarSetup, FarError> {
+        let bytes = vm.memory_bytes();
+        if config.stores.is_empty() || config.stores.len() > 2 {
+            return Err(FarError::Config("--far-memory takes one export, or two to mirror".into()));
+        }
+        let min = 4 << 20;
+        if config.local_bytes < min || config.local_bytes >= bytes {
+            return Err(FarError::Config(format!(
+                "--local-memory must be at least 4 MiB and less than the VM's memory ({} MiB)",
+                bytes >> 20
+            )));
+        }
+        if vm.hugepages() {
+            return Err(FarError::Config("far memory pages 4 KiB at a time: boot with --no-hugepages".into()));
+        }
+        let health: store::Health = Arc::new(Mutex::new(
+            config.stores.iter().map(|s| StoreStatus { uri: s.to_string(), ok: true, error: None }).collect(),
+        ));
+        let fault_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
+        let write_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
+        let faults = Arc::new(PageFaults::register(vm.memory()).map_err(|e| FarError::Vm(e.to_string()))?);
+        // Now, before the vCPU runs: changing a memory slot waits for every
+        // vCPU to leave KVM, and a vCPU waiting on a far page does not
+        // until the fault thread runs.
+        vm.set_dirty_logging(true).map_err(|e| FarError::Vm(e.to_string()))?;
+        Ok(FarSetup { config, faults, fault_stores, write_stores, health })
+    }
+
+    /// Starts the fault thread and the evictor for the started `vm`.
+    pub fn start(self, vm: Arc<Vm>) -> Result<FarMemory, FarError> {
+        let pages = self.faults.pages();
+        let limit = self.config.local_bytes / PAGE_SIZE as u64;
+        let state = Arc::new(Mutex::new(pager::State::new(vm.memory(), pages, limit)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let wake = Arc::new(pager::Wake::default());
+        let fault_thread = {
+            let mut pager = pager::FaultSide {
+                state: state.clone(),
+                faults: self.faults.clone(),
+                stores: self.fault_stores,
+                stop: stop.clone(),
+                wake: wake.clone(),
+            };
+            std::thread::Builder::new()
+                .name("far-faults".into())
+                .spawn(move || pager.run())
+                .map_err(|e| FarError::Vm(e.to_string()))?
+        };
+        let evictor = {
+            let mut evictor = pager::Evictor {
+                state: state.clone(),
+                faults: self.faults.clone(),
+                stores: self.write_stores,
+                stop: stop.clone(),
+                wake,
+                vm,
+                dirty: None,
+            };
+            std::thread::Builder::new()
+                .name("far-evict".into())
+                .spawn(move || evictor.run())
+                .map_err(|e| FarError::Vm(e.to_string()))?
+        };
+        Ok(FarMemory { state, faults: self.faults, health: self.health, stop, threads: vec![fault_thread, evictor] })
+    }
+}
+
+impl FarMemory {
+    /// Counters so far.
+    pub fn stats(&self) -> FarStats {
+        let faults = self.faults.stats();
+        let mut stats = self.state.lock().unwrap().stats();
+        stats.fault_latency_p50_us = faults.latency_p50_us;
+        stats.fault_latency_p99_us = faults.latency_p99_us;
+        stats.stores = self.health.lock().unwrap().clone();
+        stats
+    }
+
+    /// Stops both threads. The VM must be stopped for good first: a vCPU
+    /// waiting on a far page would wait forever.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for FarMemory {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
