@@ -160,7 +160,9 @@ impl RunningVm {
             return Err("the VM's memory is still arriving (post-copy); migrate it once it is all here".into());
         }
         if self.far.get().is_some() {
-            return Err("migrating a VM with far memory is not built yet (issue 19): run it without --far-memory".into());
+            return Err(
+                "migrating a VM with far memory is not built yet (issue 19): run it without --far-memory".into()
+            );
         }
         {
             let mut slot = self.migration.lock().unwrap();
@@ -219,7 +221,9 @@ impl RunningVm {
     /// Records a dirty-page trace of the running VM (blocks the request).
     fn trace(&self, request: &Value) -> Result<Value, String> {
         if self.far.get().is_some() {
-            return Err("far memory reads the dirty log itself: a trace of a VM with far memory is not supported".into());
+            return Err(
+                "far memory reads the dirty log itself: a trace of a VM with far memory is not supported".into()
+            );
         }
         let out = request.get("out").and_then(Value::as_str).ok_or("trace needs \"out\": a file path")?;
         let number = |key: &str, default: f64| -> Result<f64, String> {

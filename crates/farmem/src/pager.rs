@@ -85,7 +85,8 @@ impl State {
     pub(crate) fn stats(&self) -> FarStats {
         let mut s = self.stats.clone();
         s.resident_pages = self.resident_count;
-        s.far_pages = self.on_far.words().iter().zip(self.resident.words()).map(|(f, r)| (f & !r).count_ones() as u64).sum();
+        s.far_pages =
+            self.on_far.words().iter().zip(self.resident.words()).map(|(f, r)| (f & !r).count_ones() as u64).sum();
         s
     }
 
@@ -257,7 +258,8 @@ impl FaultSide {
     }
 
     fn serve(&mut self, page: u64, readahead: &mut Readahead, buf: &mut [u8]) -> Result<(), FarError> {
-        let installed = |r: Result<Installed, tsubame_vmm::uffd::FaultError>| r.map_err(|e| FarError::Vm(e.to_string()));
+        let installed =
+            |r: Result<Installed, tsubame_vmm::uffd::FaultError>| r.map_err(|e| FarError::Vm(e.to_string()));
         let mut state = self.state.lock().unwrap();
         state.stats.faults += 1;
         if state.resident.get(page) {
@@ -281,7 +283,10 @@ impl FaultSide {
         // The faulting page, then the run that follows it.
         let (stride, window) = readahead.plan(page);
         let follows = |state: &State, p: u64| {
-            p < state.resident.pages() && state.on_far.get(p) && !state.resident.get(p) && !state.inflight.contains_key(&p)
+            p < state.resident.pages()
+                && state.on_far.get(p)
+                && !state.resident.get(p)
+                && !state.inflight.contains_key(&p)
         };
         let mut more = Vec::new();
         for i in 1..=window as i64 {

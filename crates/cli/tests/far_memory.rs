@@ -1,0 +1,193 @@
+//! Far memory against a real memory host (`nbdkit memory`, which must be
+//! installed: without it these tests fail rather than skip): every
+//! workload runs with most of its memory far, a mirrored memory host may
+//! die, losing every host pauses the VM with a clear error, and bad
+//! exports are one-line errors before any VM runs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
+use serde_json::{json, Value};
+
+/// `nbdkit memory SIZE` on a unix socket, killed on drop.
+struct MemoryHost {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl MemoryHost {
+    fn start(dir: &Path, name: &str, size: &str) -> MemoryHost {
+        let socket = dir.join(format!("{name}.sock"));
+        let child = Command::new("nbdkit")
+            .args(["-f", "--exit-with-parent", "-U"])
+            .arg(&socket)
+            .args(["memory", size])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run nbdkit ({e}): install it (apt-get install nbdkit)"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(Instant::now() < deadline, "nbdkit did not listen on {}", socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        MemoryHost { child, socket }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for MemoryHost {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `tsubame run` of a 128 MiB VM with 32 MiB local and the rest far.
+fn run_far(control_sock: &Path, workload: &str, far: &[String]) -> Proc {
+    Proc(
+        tsubame()
+            .args(["run", "--quiet", "--control"])
+            .arg(control_sock)
+            .args(["--memory", "128M", "--local-memory", "32M", "--workload", workload])
+            .args(["--workload-arg", "wss=96M"])
+            .arg("--far-memory")
+            .arg(far.join(","))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn far(stats: &Value, key: &str) -> u64 {
+    stats["far_memory"][key].as_u64().unwrap_or(0)
+}
+
+/// Polls `stats` until `done`, failing on a guest error.
+fn wait_until(socket: &Path, what: &str, seconds: u64, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    loop {
+        let stats = control(socket, &json!({"cmd": "stats"}));
+        assert!(stats["guest"]["error"].is_null(), "guest failed: {stats}");
+        if done(&stats) {
+            return stats;
+        }
+        assert!(Instant::now() < deadline, "{what}: never happened: {stats}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn every_workload_runs_with_most_of_its_memory_far() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-workloads");
+    let host = MemoryHost::start(&dir, "host", "128M");
+    for workload in ["kv", "bwmem", "fill-random", "sparse", "zero-clear", "stream", "fill-zero", "idle"] {
+        let sock = dir.join(format!("{workload}.sock"));
+        let _vm = run_far(&sock, workload, &[host.uri()]);
+        wait_for_socket(&sock);
+        // Pages went far and came back, and the guest went on (kv checks
+        // every value it reads, so a page that came back wrong fails it).
+        let first = wait_until(&sock, workload, 60, |s| far(s, "far_pages") > 1000 && far(s, "faults") > 1000);
+        let ops = first["guest"]["ops"].as_u64().unwrap_or(0);
+        let stats = wait_until(&sock, workload, 60, |s| s["guest"]["ops"].as_u64().unwrap_or(0) > ops + 100);
+        let limit = far(&stats, "local_limit_bytes") / 4096;
+        assert!(far(&stats, "resident_max_pages") <= limit, "{workload}: over the limit: {stats}");
+        assert_eq!(stats["far_memory"]["error"], Value::Null, "{stats}");
+        let memory = control(&sock, &json!({"cmd": "query-memory"}));
+        assert_eq!(memory["memory_bytes"], 128 << 20, "{memory}");
+        assert!(far(&memory, "evicted_pages") > 0, "{memory}");
+        control(&sock, &json!({"cmd": "quit"}));
+    }
+}
+
+#[test]
+fn a_mirrored_memory_host_may_die_and_the_vm_runs_on() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-mirror");
+    let mut first = MemoryHost::start(&dir, "first", "128M");
+    let second = MemoryHost::start(&dir, "second", "128M");
+    let sock = dir.join("vm.sock");
+    let _vm = run_far(&sock, "kv", &[first.uri(), second.uri()]);
+    wait_for_socket(&sock);
+    wait_until(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000 && far(s, "bytes_read") > 0);
+    first.kill();
+    // kv reads its values back (checksummed) from the mirror.
+    let read = far(&control(&sock, &json!({"cmd": "stats"})), "bytes_read");
+    let stats = wait_until(&sock, "reads from the mirror", 60, |s| far(s, "bytes_read") > read + (8 << 20));
+    let stores = &stats["far_memory"]["stores"];
+    assert_eq!(stores[0]["ok"], false, "{stats}");
+    assert_eq!(stores[1]["ok"], true, "{stats}");
+    assert_eq!(stats["far_memory"]["error"], Value::Null, "{stats}");
+    assert_eq!(stats["status"], "running", "{stats}");
+}
+
+#[test]
+fn losing_every_memory_host_pauses_the_vm_with_a_clear_error() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-lost");
+    let mut host = MemoryHost::start(&dir, "host", "128M");
+    let sock = dir.join("vm.sock");
+    let mut vm = run_far(&sock, "kv", &[host.uri()]);
+    wait_for_socket(&sock);
+    wait_until(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000);
+    host.kill();
+    let stats = wait_until(&sock, "the loss noticed", 30, |s| !s["far_memory"]["error"].is_null());
+    assert!(stats["far_memory"]["error"].as_str().unwrap().contains("far memory lost"), "{stats}");
+    // The guest makes no progress: it waits on pages that cannot come back
+    // rather than reading them as zeros.
+    std::thread::sleep(Duration::from_millis(300));
+    let ops = control(&sock, &json!({"cmd": "stats"}))["guest"]["ops"].as_u64();
+    std::thread::sleep(Duration::from_millis(700));
+    let later = control(&sock, &json!({"cmd": "stats"}));
+    assert_eq!(later["guest"]["ops"].as_u64(), ops, "the guest ran on: {later}");
+    assert!(later["guest"]["error"].is_null(), "the guest saw bad memory: {later}");
+    control(&sock, &json!({"cmd": "quit"}));
+    let out = std::mem::replace(&mut vm.0, Command::new("true").spawn().unwrap()).wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let said: Vec<&str> = err.lines().filter(|l| l.contains("error: far memory lost")).collect();
+    assert_eq!(said.len(), 2, "said once when lost, once at the end: {err}");
+}
+
+#[test]
+fn bad_far_memory_options_are_one_line_errors() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-bad");
+    let small = MemoryHost::start(&dir, "small", "16M");
+    let small_uri = small.uri();
+    let cases: [(&[&str], i32, &str); 5] = [
+        (&["--local-memory", "32M", "--far-memory", "nbd://127.0.0.1:1/x"], 1, "127.0.0.1:1"),
+        (&["--local-memory", "32M", "--far-memory", &small_uri], 1, "holds 16777216 bytes"),
+        (&["--local-memory", "64M", "--far-memory", &small_uri], 2, "--local-memory must be"),
+        (&["--local-memory", "32M"], 2, "--far-memory"),
+        (&["--local-memory", "lots", "--far-memory", &small_uri], 2, "--local-memory"),
+    ];
+    for (args, code, says) in cases {
+        let out = tsubame().args(["run", "--memory", "64M", "--seconds", "1"]).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+}
