@@ -13,9 +13,9 @@
 //! write is done a fault on one of its pages is served from the copy.
 //!
 //! Victims come from a CLOCK over resident pages whose reference bits are
-//! what the VMM can observe: a page faulted in, and KVM's dirty log. Pages
-//! whose far copy is current (read back and not written since) are dropped
-//! without a write.
+//! what the VMM can observe: a page faulted in, and KVM's dirty log. A
+//! victim whose contents still hash to its far copy's is dropped without a
+//! write.
 
 mod pager;
 mod store;
@@ -94,7 +94,7 @@ pub struct FarStats {
     pub readahead_hits: u64,
     /// Pages taken away, and of those dropped without a write.
     pub evicted_pages: u64,
-    /// Evicted pages whose far copy was current: no write.
+    /// Evicted pages whose far copy was still equal: no write.
     pub clean_drops: u64,
     /// Times the vCPU was stopped to evict, and for how long in all (ms).
     pub evictions: u64,

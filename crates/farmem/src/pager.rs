@@ -1,6 +1,6 @@
 //! The two sides of far memory and the state they share: which pages are
-//! resident, which have a far copy and whether it is current, which are
-//! being written back, and the CLOCK's hand.
+//! resident, which have a far copy and what that copy hashes to, which
+//! are being written back, and the CLOCK's hand.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tsubame_vmm::memory::{self, Pagemap};
 use tsubame_vmm::uffd::{Installed, PageFaults};
 use tsubame_vmm::{DirtyBitmap, GuestMemory, Vm, PAGE_SIZE};
+use xxhash_rust::xxh3::xxh3_128;
 
 use crate::store::Stores;
 use crate::{FarError, FarStats};
@@ -41,8 +42,12 @@ pub(crate) struct State {
     referenced: DirtyBitmap,
     /// The export holds a copy of the page.
     on_far: DirtyBitmap,
-    /// The export's copy equals the resident page.
-    current: DirtyBitmap,
+    /// Per page, the hash (xxh3-128) of its far copy, valid where `on_far`.
+    /// A victim that still hashes the same is dropped without a write.
+    /// Content, not the dirty log, decides: this KVM logs a page as dirty
+    /// when it maps it after a read fault, so the log would call every
+    /// page that came back dirty.
+    far_hash: Vec<u128>,
     /// Read ahead and not yet seen used.
     prefetched: DirtyBitmap,
     inflight: HashMap<u64, Arc<Batch>>,
@@ -68,7 +73,7 @@ impl State {
             limit,
             referenced: DirtyBitmap::new(pages),
             on_far: DirtyBitmap::new(pages),
-            current: DirtyBitmap::new(pages),
+            far_hash: vec![0; pages as usize],
             prefetched: DirtyBitmap::new(pages),
             inflight: HashMap::new(),
             hand: 0,
@@ -90,31 +95,25 @@ impl State {
         s
     }
 
-    fn mark_resident(&mut self, page: u64, current: bool, referenced: bool) {
+    fn mark_resident(&mut self, page: u64, referenced: bool) {
         if !self.resident.get(page) {
             self.resident.set(page);
             self.resident_count += 1;
             self.stats.resident_max_pages = self.stats.resident_max_pages.max(self.resident_count);
-        }
-        if current {
-            self.current.set(page);
-        } else {
-            self.current.unset(page);
         }
         if referenced {
             self.referenced.set(page);
         }
     }
 
-    /// Pages written since the last look: used again, and their far copy
-    /// is old.
+    /// Pages written since the last look (or mapped after a fault): used
+    /// again.
     fn note_dirty(&mut self, dirty: &DirtyBitmap) {
         let words = dirty.words();
         for (i, &d) in words.iter().enumerate() {
             if d != 0 {
                 let r = self.resident.words()[i];
                 self.referenced.words_mut()[i] |= d & r;
-                self.current.words_mut()[i] &= !d;
                 let used = self.prefetched.words()[i] & d;
                 if used != 0 {
                     self.stats.readahead_hits += used.count_ones() as u64;
@@ -270,13 +269,13 @@ impl FaultSide {
         if let Some(batch) = state.inflight.get(&page).cloned() {
             let at = batch.index[&page] * PAGE_SIZE;
             installed(self.faults.install(page, page_array(&batch.data[at..at + PAGE_SIZE])))?;
-            state.mark_resident(page, false, true);
+            state.mark_resident(page, true);
             state.stats.inflight_hits += 1;
             return Ok(());
         }
         if !state.on_far.get(page) {
             installed(self.faults.install_zero(page))?;
-            state.mark_resident(page, false, true);
+            state.mark_resident(page, true);
             state.stats.zero_fills += 1;
             return Ok(());
         }
@@ -308,11 +307,11 @@ impl FaultSide {
         }
         state.stats.bytes_read += (count * PAGE_SIZE) as u64;
         installed(self.faults.install(page, page_array(&buf[..PAGE_SIZE])))?;
-        state.mark_resident(page, true, true);
+        state.mark_resident(page, true);
         for (i, &p) in more.iter().enumerate() {
             let at = (i + 1) * PAGE_SIZE;
             installed(self.faults.install(p, page_array(&buf[at..at + PAGE_SIZE])))?;
-            state.mark_resident(p, true, false);
+            state.mark_resident(p, false);
             state.prefetched.set(p);
         }
         state.stats.readahead_pages += more.len() as u64;
@@ -384,8 +383,9 @@ impl Evictor {
             let mut state = self.state.lock().unwrap();
             let dirty = self.dirty.get_or_insert_with(|| DirtyBitmap::new(state.resident.pages()));
             dirty.clear();
-            if self.vm.dirty_log(dirty).is_ok() {
-                let _ = self.vm.clear_dirty_log(0, dirty.words());
+            // The log only feeds the CLOCK's reference bits: without it the
+            // choice of victims is worse, never wrong.
+            if self.vm.dirty_log(dirty).is_ok() && self.vm.clear_dirty_log(0, dirty.words()).is_ok() {
                 state.note_dirty(dirty);
             }
             let victims = state.clock(n);
@@ -394,11 +394,13 @@ impl Evictor {
             let mut writes = Vec::new();
             let mut page_buf = [0u8; PAGE_SIZE];
             for &v in &victims {
-                if state.current.get(v) && state.on_far.get(v) {
+                memory::read_page(&state.mem, v, &mut page_buf).map_err(|e| FarError::Vm(e.to_string()))?;
+                let hash = xxh3_128(&page_buf);
+                if state.on_far.get(v) && state.far_hash[v as usize] == hash {
                     state.stats.clean_drops += 1;
                     continue;
                 }
-                memory::read_page(&state.mem, v, &mut page_buf).map_err(|e| FarError::Vm(e.to_string()))?;
+                state.far_hash[v as usize] = hash;
                 index.insert(v, writes.len());
                 writes.push(v);
                 data.extend_from_slice(&page_buf);
@@ -410,7 +412,6 @@ impl Evictor {
                 state.referenced.unset(v);
                 state.prefetched.unset(v);
                 state.on_far.set(v);
-                state.current.unset(v);
             }
             for &v in &writes {
                 state.inflight.insert(v, batch.clone());
@@ -489,7 +490,7 @@ mod tests {
         let mem = Arc::new(memory::create(8 << 20, false).unwrap());
         let mut state = State::new(&mem, 2048, 512);
         for p in 0..200 {
-            state.mark_resident(p, false, p < 100);
+            state.mark_resident(p, p < 100);
         }
         // The unreferenced first.
         let first = state.clock(50);

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Far memory against swapping (issue 19, the remote-swap paper): the same
+guest with a working set 4x the local memory, its ops/s when the rest lives
+on a memory host, in kernel swap on a local disk, or in zram.
+
+Configurations (`--configs`):
+  local        all of guest memory resident: the upper bound;
+  far          tsubame --local-memory L --far-memory on `nbdkit memory`
+               over a unix socket (loopback: the memory host is this
+               machine);
+  swap-disk    tsubame without far memory in a memory cgroup (v1) limited
+               to L plus --overhead (the VMM's own memory and the kernel's
+               for KVM, charged to the cgroup), swapping to
+               a swap file on the local disk;
+  swap-zram    the same cgroup, swapping to /dev/zram0 (compressed RAM).
+
+Each runs `tsubame run` for --warmup seconds (kv loads its keys), then
+reads the guest's ops over the next --seconds from the control socket and, for `far`, fault latency. Run as root (swap,
+cgroups). Not yet here (issue 19): QEMU as the swapping VMM, and a memory
+host behind a 10 Gbit/s netns link.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tsubame_bench.control import control_request  # noqa: E402
+from tsubame_bench.units import parse_size  # noqa: E402
+
+CONFIGS = ["local", "far", "swap-disk", "swap-zram"]
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+class HarnessError(Exception):
+    pass
+
+
+def sh(*cmd):
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def swap_off_all():
+    subprocess.run(["swapoff", "-a"], stderr=subprocess.DEVNULL)
+    with open("/proc/swaps") as f:
+        for line in f.readlines()[1:]:
+            subprocess.run(["swapoff", line.split()[0]], stderr=subprocess.DEVNULL)
+
+
+class Swap:
+    """A swap file on the local disk, or zram; the only swap while it lives."""
+
+    def __init__(self, kind, size_bytes, work):
+        swap_off_all()
+        self.kind = kind
+        if kind == "disk":
+            self.path = os.path.join(work, "swapfile")
+            sh("fallocate", "-l", str(size_bytes), self.path)
+            os.chmod(self.path, 0o600)
+        else:
+            self.path = "/dev/zram0"
+            subprocess.run(["swapoff", self.path], stderr=subprocess.DEVNULL)
+            with open("/sys/block/zram0/reset", "w") as f:
+                f.write("1")
+            with open("/sys/block/zram0/disksize", "w") as f:
+                f.write(str(size_bytes))
+        sh("mkswap", self.path)
+        sh("swapon", self.path)
+
+    def stop(self):
+        subprocess.run(["swapoff", self.path], stderr=subprocess.DEVNULL)
+        if self.kind == "disk":
+            os.unlink(self.path)
+        else:
+            with open("/sys/block/zram0/reset", "w") as f:
+                f.write("1")
+
+
+class Cgroup:
+    """A memory cgroup (v1) with a limit; processes join it by pid."""
+
+    def __init__(self, limit_bytes):
+        if not os.path.isdir(CGROUP_ROOT):
+            raise HarnessError(f"{CGROUP_ROOT} is missing: a v1 memory cgroup is needed")
+        self.path = os.path.join(CGROUP_ROOT, f"tsb-far-{os.getpid()}")
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit_bytes))
+        # Stall in reclaim rather than kill: at these limits the kernel's
+        # OOM killer takes the VM when swapping does not keep up with it.
+        with open(os.path.join(self.path, "memory.oom_control"), "w") as f:
+            f.write("1")
+
+    def command(self, cmd):
+        # The shell joins the cgroup, then becomes the command.
+        return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh"] + cmd
+
+    def stop(self):
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+class MemoryHost:
+    def __init__(self, size, work):
+        self.sock = os.path.join(work, "mem.sock")
+        if os.path.exists(self.sock):
+            os.unlink(self.sock)  # a killed nbdkit leaves its socket behind
+        self.proc = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, "memory", size],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            if os.path.exists(self.sock):
+                return
+            time.sleep(0.02)
+        raise HarnessError("nbdkit did not start (apt-get install nbdkit)")
+
+    def uri(self):
+        return f"nbd+unix:///?socket={self.sock}"
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+FAR = re.compile(r"p50 (\d+) µs, p99 (\d+) µs")
+
+
+def guest_ops(sock):
+    try:
+        return control_request(sock, {"cmd": "stats"})["guest"]["ops"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_one(args, config, workload, work):
+    """Runs the guest for --warmup + --seconds; its ops/s over the last --seconds."""
+    sock = os.path.join(work, "vm.sock")
+    if os.path.exists(sock):
+        os.unlink(sock)
+    cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
+           "--workload-arg", f"wss={args.wss}", "--control", sock]
+    host, swap, cgroup, proc = None, None, None, None
+    r = {"config": config, "workload": workload}
+    try:
+        if config == "far":
+            host = MemoryHost(args.memory, work)
+            cmd += ["--local-memory", args.local, "--far-memory", host.uri()]
+        elif config.startswith("swap-"):
+            swap = Swap(config[len("swap-"):], parse_size(args.memory), work)
+            cgroup = Cgroup(parse_size(args.local) + parse_size(args.overhead))
+            cmd = cgroup.command(cmd)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(args.warmup)
+        t0, ops0 = time.monotonic(), guest_ops(sock)
+        time.sleep(args.seconds)
+        t1, ops1 = time.monotonic(), guest_ops(sock)
+        if ops0 is None or ops1 is None:
+            r["failed"] = "no answer on the control socket"
+        else:
+            r["ops_per_sec"] = int((ops1 - ops0) / (t1 - t0))
+        try:
+            control_request(sock, {"cmd": "quit"})
+        except OSError:
+            pass
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            r["failed"] = f"exit {proc.returncode}: {err.strip()[-300:]}"
+        f = FAR.search(err)
+        if f:
+            r["fault_p50_us"], r["fault_p99_us"] = int(f.group(1)), int(f.group(2))
+            r["far_summary"] = [line for line in err.splitlines() if "far memory:" in line][0]
+        return r
+    finally:
+        if proc and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for thing in (host, cgroup, swap):
+            if thing:
+                thing.stop()
+
+
+def table(results):
+    rows = ["| workload | config | ops/s | ÷ swap-disk | ÷ swap-zram | ÷ local | fault p50 / p99 µs |",
+            "|---|---|---|---|---|---|---|"]
+    by = {(r["workload"], r["config"]): r.get("ops_per_sec") for r in results}
+    for r in results:
+        w = r["workload"]
+        if "ops_per_sec" not in r:
+            rows.append(f"| {w} | {r['config']} | failed: {r.get('failed', '?')} | | | | |")
+            continue
+
+        def ratio(base):
+            b = by.get((w, base))
+            return f"{r['ops_per_sec'] / b:.2f}" if b else ("∞" if b == 0 else "n/a")
+        lat = f"{r['fault_p50_us']} / {r['fault_p99_us']}" if "fault_p50_us" in r else ""
+        rows.append(f"| {w} | {r['config']} | {r['ops_per_sec']} | {ratio('swap-disk')} | {ratio('swap-zram')} | "
+                    f"{ratio('local')} | {lat} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--memory", default="640M", help="guest memory")
+    p.add_argument("--wss", default="512M", help="the workload's working set")
+    p.add_argument("--local", default="128M", help="local memory (1/4 of the working set)")
+    p.add_argument("--overhead", default="64M",
+                   help="added to the swap configurations' cgroup limit: the VMM's own memory (~7 MiB) and the "
+                        "kernel memory a cgroup v1 charges for KVM's page tables, which far memory does not limit")
+    p.add_argument("--workloads", default="kv,bwmem")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
+    p.add_argument("--seconds", type=float, default=20, help="seconds measured")
+    p.add_argument("--tsubame", default="target/release/tsubame")
+    p.add_argument("--out", default="results/far-memory")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        raise HarnessError("run as root (swap, cgroups)")
+    args.tsubame = os.path.abspath(args.tsubame)
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="tsb-far-", dir="/var/tmp")
+    results = []
+    try:
+        for workload in args.workloads.split(","):
+            for config in args.configs.split(","):
+                if config not in CONFIGS:
+                    raise HarnessError(f"unknown config {config} (known: {', '.join(CONFIGS)})")
+                print(f"far_memory: {workload} {config} ...", file=sys.stderr, flush=True)
+                r = run_one(args, config, workload, work)
+                print(f"far_memory: {workload} {config}: {r.get('ops_per_sec', r.get('failed'))} ops/s",
+                      file=sys.stderr, flush=True)
+                results.append(r)
+                with open(os.path.join(args.out, "results.json"), "w") as f:
+                    json.dump(results, f, indent=1)
+    finally:
+        swap_off_all()
+        subprocess.run(["rm", "-rf", work])
+    text = table(results)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except HarnessError as e:
+        print(f"far_memory: error: {e}", file=sys.stderr)
+        sys.exit(1)
