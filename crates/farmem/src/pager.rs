@@ -306,11 +306,18 @@ impl FaultSide {
             }
         }
         state.stats.bytes_read += (count * PAGE_SIZE) as u64;
-        installed(self.faults.install(page, page_array(&buf[..PAGE_SIZE])))?;
+        if stride == 1 {
+            // One copy for the whole run.
+            self.faults.install_run(page, &buf[..count * PAGE_SIZE]).map_err(|e| FarError::Vm(e.to_string()))?;
+        } else {
+            installed(self.faults.install(page, page_array(&buf[..PAGE_SIZE])))?;
+            for (i, &p) in more.iter().enumerate() {
+                let at = (i + 1) * PAGE_SIZE;
+                installed(self.faults.install(p, page_array(&buf[at..at + PAGE_SIZE])))?;
+            }
+        }
         state.mark_resident(page, true);
-        for (i, &p) in more.iter().enumerate() {
-            let at = (i + 1) * PAGE_SIZE;
-            installed(self.faults.install(p, page_array(&buf[at..at + PAGE_SIZE])))?;
+        for &p in &more {
             state.mark_resident(p, false);
             state.prefetched.set(p);
         }

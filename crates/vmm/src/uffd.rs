@@ -255,6 +255,37 @@ impl PageFaults {
         self.installed(page, result, "UFFDIO_COPY")
     }
 
+    /// Installs `data` (whole pages) as the pages from `first` in one
+    /// `UFFDIO_COPY`, waking their waiters; a page found present already
+    /// keeps its contents (the rest are installed one by one).
+    pub fn install_run(&self, first: u64, data: &[u8]) -> Result<(), FaultError> {
+        let pages = (data.len() / PAGE_SIZE) as u64;
+        if pages == 0 || data.len() % PAGE_SIZE != 0 {
+            return Ok(());
+        }
+        let dst = self.address(first)?;
+        self.address(first + pages - 1)?;
+        // SAFETY: `dst..dst + data.len()` lies inside the registered
+        // mapping (both ends range checked) and `data` is readable for that
+        // length; UFFDIO_COPY copies atomically per page and stops at the
+        // first present one (EEXIST).
+        let result = unsafe { self.uffd.copy(data.as_ptr().cast(), dst, data.len(), true) };
+        match result {
+            Ok(n) if n == data.len() => {
+                for page in first..first + pages {
+                    self.installed(page, Ok(PAGE_SIZE), "UFFDIO_COPY")?;
+                }
+                Ok(())
+            }
+            _ => {
+                for (i, chunk) in data.chunks_exact(PAGE_SIZE).enumerate() {
+                    self.install(first + i as u64, chunk.try_into().expect("a page"))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Installs a zero page (`UFFDIO_ZEROPAGE`) and wakes its waiters.
     pub fn install_zero(&self, page: u64) -> Result<Installed, FaultError> {
         let dst = self.address(page)?;
@@ -453,6 +484,26 @@ mod tests {
         let mut byte = [1u8];
         memory::read(&mem, 4 * PAGE_SIZE as u64, &mut byte).unwrap();
         assert_eq!(byte[0], 0);
+    }
+
+    #[test]
+    fn a_run_is_installed_in_one_copy_and_a_present_page_keeps_its_contents() {
+        let mem = Arc::new(memory::create(8 << 20, false).unwrap());
+        let faults = PageFaults::register(&mem).unwrap();
+        faults.install(21, &page_of(9)).unwrap();
+        let run: Vec<u8> = (0..4u8).flat_map(|i| page_of(50 + i)).collect();
+        // Pages 10..14: one copy.
+        faults.install_run(10, &run).unwrap();
+        // Pages 20..24, 21 present: the others one by one.
+        faults.install_run(20, &run).unwrap();
+        let byte = |page: u64| {
+            let mut b = [0u8];
+            memory::read(&mem, page * PAGE_SIZE as u64, &mut b).unwrap();
+            b[0]
+        };
+        assert_eq!([10, 11, 12, 13].map(byte), [50, 51, 52, 53]);
+        assert_eq!([20, 21, 22, 23].map(byte), [50, 9, 52, 53]);
+        assert!(faults.install_run(faults.pages() - 1, &run).is_err(), "past the end");
     }
 
     #[test]
