@@ -260,7 +260,7 @@ impl PageFaults {
     /// keeps its contents (the rest are installed one by one).
     pub fn install_run(&self, first: u64, data: &[u8]) -> Result<(), FaultError> {
         let pages = (data.len() / PAGE_SIZE) as u64;
-        if pages == 0 || data.len() % PAGE_SIZE != 0 {
+        if pages == 0 || !data.len().is_multiple_of(PAGE_SIZE) {
             return Ok(());
         }
         let dst = self.address(first)?;
