@@ -8,6 +8,8 @@ Configurations (`--configs`):
   far          tsubame --local-memory L --far-memory on `nbdkit memory`
                over a unix socket (loopback: the memory host is this
                machine);
+  far-10g      the same over TCP to nbdkit in another network namespace,
+               the veth between them shaped at --far-link (10 Gbit/s);
   swap-disk    tsubame without far memory in a memory cgroup (v1) limited
                to L plus --overhead (the VMM's own memory and the kernel's
                for KVM, charged to the cgroup), swapping to
@@ -16,8 +18,7 @@ Configurations (`--configs`):
 
 Each runs `tsubame run` for --warmup seconds (kv loads its keys), then
 reads the guest's ops over the next --seconds from the control socket and, for `far`, fault latency. Run as root (swap,
-cgroups). Not yet here (issue 19): QEMU as the swapping VMM, and a memory
-host behind a 10 Gbit/s netns link.
+cgroups, namespaces). Not yet here (issue 19): QEMU as the swapping VMM.
 """
 
 import argparse
@@ -31,9 +32,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tsubame_bench.control import control_request  # noqa: E402
-from tsubame_bench.units import parse_size  # noqa: E402
+from tsubame_bench.link import Link, remove_stale_namespaces  # noqa: E402
+from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
 
-CONFIGS = ["local", "far", "swap-disk", "swap-zram"]
+CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram"]
+NBD_PORT = 10809
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
@@ -110,19 +113,36 @@ class Cgroup:
 
 
 class MemoryHost:
-    def __init__(self, size, work):
+    """`nbdkit memory SIZE`: on a unix socket, or on TCP inside `link`'s
+    destination namespace."""
+
+    def __init__(self, size, work, link=None):
         self.sock = os.path.join(work, "mem.sock")
+        self.link = link
         if os.path.exists(self.sock):
             os.unlink(self.sock)  # a killed nbdkit leaves its socket behind
-        self.proc = subprocess.Popen(["nbdkit", "-f", "-U", self.sock, "memory", size],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if link:
+            cmd = link.netns_exec(link.dst_ns) + ["nbdkit", "-f", "-i", link.dst_ip, "-p", str(NBD_PORT),
+                                                   "memory", size]
+        else:
+            cmd = ["nbdkit", "-f", "-U", self.sock, "memory", size]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(200):
-            if os.path.exists(self.sock):
+            if self.ready():
                 return
             time.sleep(0.02)
         raise HarnessError("nbdkit did not start (apt-get install nbdkit)")
 
+    def ready(self):
+        if not self.link:
+            return os.path.exists(self.sock)
+        probe = self.link.netns_exec(self.link.src_ns) + [
+            "python3", "-c", f"import socket; socket.create_connection(('{self.link.dst_ip}', {NBD_PORT}), 1)"]
+        return subprocess.run(probe, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
     def uri(self):
+        if self.link:
+            return f"nbd://{self.link.dst_ip}:{NBD_PORT}/"
         return f"nbd+unix:///?socket={self.sock}"
 
     def stop(self):
@@ -147,12 +167,17 @@ def run_one(args, config, workload, work):
         os.unlink(sock)
     cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
            "--workload-arg", f"wss={args.wss}", "--control", sock]
-    host, swap, cgroup, proc = None, None, None, None
+    host, swap, cgroup, proc, link = None, None, None, None, None
     r = {"config": config, "workload": workload}
     try:
         if config == "far":
             host = MemoryHost(args.memory, work)
             cmd += ["--local-memory", args.local, "--far-memory", host.uri()]
+        elif config == "far-10g":
+            link = Link(parse_rate(args.far_link))
+            link.setup()
+            host = MemoryHost(args.memory, work, link)
+            cmd = link.netns_exec(link.src_ns) + cmd + ["--local-memory", args.local, "--far-memory", host.uri()]
         elif config.startswith("swap-"):
             swap = Swap(config[len("swap-"):], parse_size(args.memory), work)
             cgroup = Cgroup(parse_size(args.local) + parse_size(args.overhead))
@@ -189,6 +214,8 @@ def run_one(args, config, workload, work):
         for thing in (host, cgroup, swap):
             if thing:
                 thing.stop()
+        if link:
+            link.teardown()
 
 
 def table(results):
@@ -219,6 +246,7 @@ def main(argv=None):
                    help="added to the swap configurations' cgroup limit: the VMM's own memory (~7 MiB) and the "
                         "kernel memory a cgroup v1 charges for KVM's page tables, which far memory does not limit")
     p.add_argument("--workloads", default="kv,bwmem")
+    p.add_argument("--far-link", default="10Gbit", help="the shaped link to the memory host of far-10g")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
     p.add_argument("--seconds", type=float, default=20, help="seconds measured")
@@ -230,6 +258,7 @@ def main(argv=None):
     args.tsubame = os.path.abspath(args.tsubame)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="tsb-far-", dir="/var/tmp")
+    remove_stale_namespaces()
     results = []
     try:
         for workload in args.workloads.split(","):
