@@ -70,9 +70,11 @@ fn guest_prints_progress_under_qemu() {
     }
 }
 
-/// The value of `key=` in the last progress line of `text`.
+/// The value of `key=` in the last complete progress line of `text` (QEMU
+/// is killed mid-line at times: a cut line's figures are cut too).
 fn last_field(text: &str, key: &str) -> u64 {
-    let line = text.lines().rev().find(|l| l.starts_with("tsb ")).unwrap_or("");
+    let complete = &text[..text.rfind('\n').unwrap_or(0)];
+    let line = complete.lines().rev().find(|l| l.starts_with("tsb ")).unwrap_or("");
     let prefix = format!("{key}=");
     line.split_whitespace().find_map(|t| t.strip_prefix(prefix.as_str())?.parse().ok()).unwrap_or(0)
 }

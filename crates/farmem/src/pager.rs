@@ -262,8 +262,10 @@ impl FaultSide {
         let mut state = self.state.lock().unwrap();
         state.stats.faults += 1;
         if state.resident.get(page) {
-            // Served already (read ahead after this fault was queued).
-            installed(self.faults.install_zero(page))?;
+            // Served already (read ahead after this fault was queued). Only
+            // a wake: were the map ever wrong, the thread faults again
+            // instead of reading zeros.
+            self.faults.wake(page).map_err(|e| FarError::Vm(e.to_string()))?;
             return Ok(());
         }
         if let Some(batch) = state.inflight.get(&page).cloned() {

@@ -286,6 +286,17 @@ impl PageFaults {
         }
     }
 
+    /// Wakes the threads waiting on `page`, which the caller knows to be
+    /// present (if it is not, they fault again).
+    pub fn wake(&self, page: u64) -> Result<(), FaultError> {
+        self.uffd.wake(self.address(page)?, PAGE_SIZE).map_err(op("UFFDIO_WAKE"))?;
+        let mut latencies = self.latencies.lock().unwrap();
+        if let Some(at) = latencies.waiting.remove(&page) {
+            latencies.samples.push(at.elapsed().as_micros().min(u32::MAX as u128) as u32);
+        }
+        Ok(())
+    }
+
     /// Installs a zero page (`UFFDIO_ZEROPAGE`) and wakes its waiters.
     pub fn install_zero(&self, page: u64) -> Result<Installed, FaultError> {
         let dst = self.address(page)?;
