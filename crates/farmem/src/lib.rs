@@ -71,7 +71,7 @@ pub struct FarConfig {
 pub struct FarStats {
     /// The limit on resident memory.
     pub local_limit_bytes: u64,
-    /// Resident pages now, and the most there were.
+    /// Resident pages now.
     pub resident_pages: u64,
     /// The most pages resident at once.
     pub resident_max_pages: u64,
@@ -89,18 +89,18 @@ pub struct FarStats {
     pub fault_latency_p99_us: u64,
     /// Pages read ahead of a fault.
     pub readahead_pages: u64,
-    /// Read-ahead pages the guest went on to use (a run of faults that
-    /// continued past them).
+    /// Read-ahead pages the dirty log later named (this KVM logs a page
+    /// when the guest first touches it; elsewhere only writes would count).
     pub readahead_hits: u64,
-    /// Pages taken away, and of those dropped without a write.
+    /// Pages taken away.
     pub evicted_pages: u64,
     /// Evicted pages whose far copy was still equal: no write.
     pub clean_drops: u64,
-    /// Times the vCPU was stopped to evict, and for how long in all (ms).
+    /// Times the vCPU was stopped to evict.
     pub evictions: u64,
     /// Sum of those stops, ms.
     pub eviction_pause_ms: f64,
-    /// Bytes read from and written to the memory host(s).
+    /// Bytes read from the memory host(s).
     pub bytes_read: u64,
     /// Bytes written (counted once, however many mirrors).
     pub bytes_written: u64,
