@@ -129,13 +129,7 @@ impl NbdClient<TcpStream> {
             .and_then(|()| stream.set_read_timeout(Some(timeout)))
             .and_then(|()| stream.set_write_timeout(Some(timeout)))
             .map_err(|source| wrap(NbdError::Io { during: "setting up the socket", source }))?;
-        let mut deadline = Deadline { stream, until: Instant::now() + timeout };
-        let export = negotiate(&mut deadline, uri).map_err(wrap)?;
-        let stream = deadline.stream;
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(|source| wrap(NbdError::Io { during: "setting up the socket", source }))?;
-        Ok(NbdClient::new(stream, uri, export))
+        negotiate_within(stream, uri, timeout)
     }
 }
 
@@ -154,13 +148,7 @@ impl NbdClient<UnixStream> {
         stream
             .set_write_timeout(Some(timeout))
             .map_err(|source| wrap(NbdError::Io { during: "setting up the socket", source }))?;
-        let mut deadline = Deadline { stream, until: Instant::now() + timeout };
-        let export = negotiate(&mut deadline, uri).map_err(wrap)?;
-        let stream = deadline.stream;
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(|source| wrap(NbdError::Io { during: "setting up the socket", source }))?;
-        Ok(NbdClient::new(stream, uri, export))
+        negotiate_within(stream, uri, timeout)
     }
 }
 
@@ -206,6 +194,23 @@ impl<S: Write> Write for Deadline<S> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.stream.flush()
     }
+}
+
+/// Negotiates `uri.export` on a connected socket: the whole negotiation
+/// ends within `timeout`, and so does every later read.
+fn negotiate_within<S: Read + Write + ReadTimeout>(
+    stream: S,
+    uri: &NbdUri,
+    timeout: Duration,
+) -> Result<NbdClient<S>, BlockError> {
+    let wrap = |source| BlockError::Nbd { uri: uri.to_string(), source };
+    let mut deadline = Deadline { stream, until: Instant::now() + timeout };
+    let export = negotiate(&mut deadline, uri).map_err(wrap)?;
+    let stream = deadline.stream;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|source| wrap(NbdError::Io { during: "setting up the socket", source }))?;
+    Ok(NbdClient::new(stream, uri, export))
 }
 
 impl<S: Read + Write> NbdClient<S> {
