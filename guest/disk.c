@@ -327,15 +327,6 @@ void workload_disk_random(struct run *r)
 #define RECORD_HEADER 6
 #define SCATTER_PRIME 2654435761UL
 
-static inline u64 mix64(u64 x)
-{
-    x ^= x >> 33;
-    x *= 0xFF51AFD7ED558CCDUL;
-    x ^= x >> 33;
-    x *= 0xC4CEB9FE1A85EC53UL;
-    return x ^ (x >> 33);
-}
-
 static inline u64 payload_word(u64 run, u64 seq, u64 i) { return mix64(run + seq * 0x9E3779B97F4A7C15UL + i); }
 
 static u64 record_check(const u64 *w)

@@ -21,15 +21,6 @@ struct item {
 
 #define ITEM_HEADER 24UL
 
-static inline u64 mix64(u64 x)
-{
-    x ^= x >> 33;
-    x *= 0xFF51AFD7ED558CCDUL;
-    x ^= x >> 33;
-    x *= 0xC4CEB9FE1A85EC53UL;
-    return x ^ (x >> 33);
-}
-
 /* Value sizes: 40 % 100-199 B, 30 % 200-399, 20 % 400-699, 10 % 700-1024. */
 static u32 value_size(u64 key)
 {

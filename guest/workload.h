@@ -59,6 +59,17 @@ static inline void throttle_account(struct throttle *t, u64 bytes)
         throttle_wait(t);
 }
 
+/* MurmurHash3's finalizer: scatters keys (kv) and record words (disk-mixed;
+   crates/block/src/records.rs computes the same). */
+static inline u64 mix64(u64 x)
+{
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDUL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53UL;
+    return x ^ (x >> 33);
+}
+
 /* splitmix64: tiny, fast, and good enough to make memory contents. */
 static inline u64 rng_next(u64 *s)
 {
