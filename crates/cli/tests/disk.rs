@@ -8,7 +8,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 use common::{control, kvm_or_skip, scratch, spawn_receive, spawn_run, tsubame, wait_for_socket};
 use serde_json::{json, Value};
@@ -22,16 +21,7 @@ fn image(dir: &Path, bytes: u64) -> PathBuf {
 
 /// Waits until the guest's latest progress line satisfies `done`.
 fn wait_guest(socket: &Path, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stats = control(socket, &json!({"cmd": "stats"}));
-        assert!(stats["guest"]["error"].is_null(), "guest failed: {stats}");
-        if done(&stats["guest"]) {
-            return stats;
-        }
-        assert!(Instant::now() < deadline, "{what}: never happened: {stats}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_stats(socket, what, 30, |stats| done(&stats["guest"]))
 }
 
 fn field(guest: &Value, key: &str) -> u64 {

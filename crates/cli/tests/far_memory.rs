@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
+use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, wait_stats, Proc};
 use serde_json::{json, Value};
 
 /// `nbdkit memory SIZE` on a unix socket, killed on drop.
@@ -75,20 +75,6 @@ fn far(stats: &Value, key: &str) -> u64 {
     stats["far_memory"][key].as_u64().unwrap_or(0)
 }
 
-/// Polls `stats` until `done`, failing on a guest error.
-fn wait_until(socket: &Path, what: &str, seconds: u64, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(seconds);
-    loop {
-        let stats = control(socket, &json!({"cmd": "stats"}));
-        assert!(stats["guest"]["error"].is_null(), "guest failed: {stats}");
-        if done(&stats) {
-            return stats;
-        }
-        assert!(Instant::now() < deadline, "{what}: never happened: {stats}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn every_workload_runs_with_most_of_its_memory_far() {
     if !kvm_or_skip() {
@@ -102,9 +88,9 @@ fn every_workload_runs_with_most_of_its_memory_far() {
         wait_for_socket(&sock);
         // Pages went far and came back, and the guest went on (kv checks
         // every value it reads, so a page that came back wrong fails it).
-        let first = wait_until(&sock, workload, 60, |s| far(s, "far_pages") > 1000 && far(s, "faults") > 1000);
+        let first = wait_stats(&sock, workload, 60, |s| far(s, "far_pages") > 1000 && far(s, "faults") > 1000);
         let ops = first["guest"]["ops"].as_u64().unwrap_or(0);
-        let stats = wait_until(&sock, workload, 60, |s| s["guest"]["ops"].as_u64().unwrap_or(0) > ops + 100);
+        let stats = wait_stats(&sock, workload, 60, |s| s["guest"]["ops"].as_u64().unwrap_or(0) > ops + 100);
         let limit = far(&stats, "local_limit_bytes") / 4096;
         assert!(far(&stats, "resident_max_pages") <= limit, "{workload}: over the limit: {stats}");
         assert_eq!(stats["far_memory"]["error"], Value::Null, "{stats}");
@@ -126,11 +112,11 @@ fn a_mirrored_memory_host_may_die_and_the_vm_runs_on() {
     let sock = dir.join("vm.sock");
     let _vm = run_far(&sock, "kv", &[first.uri(), second.uri()]);
     wait_for_socket(&sock);
-    wait_until(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000 && far(s, "bytes_read") > 0);
+    wait_stats(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000 && far(s, "bytes_read") > 0);
     first.kill();
     // kv reads its values back (checksummed) from the mirror.
     let read = far(&control(&sock, &json!({"cmd": "stats"})), "bytes_read");
-    let stats = wait_until(&sock, "reads from the mirror", 60, |s| far(s, "bytes_read") > read + (8 << 20));
+    let stats = wait_stats(&sock, "reads from the mirror", 60, |s| far(s, "bytes_read") > read + (8 << 20));
     let stores = &stats["far_memory"]["stores"];
     assert_eq!(stores[0]["ok"], false, "{stats}");
     assert_eq!(stores[1]["ok"], true, "{stats}");
@@ -148,9 +134,9 @@ fn losing_every_memory_host_pauses_the_vm_with_a_clear_error() {
     let sock = dir.join("vm.sock");
     let mut vm = run_far(&sock, "kv", &[host.uri()]);
     wait_for_socket(&sock);
-    wait_until(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000);
+    wait_stats(&sock, "pages far", 60, |s| far(s, "far_pages") > 4000);
     host.kill();
-    let stats = wait_until(&sock, "the loss noticed", 30, |s| !s["far_memory"]["error"].is_null());
+    let stats = wait_stats(&sock, "the loss noticed", 30, |s| !s["far_memory"]["error"].is_null());
     assert!(stats["far_memory"]["error"].as_str().unwrap().contains("far memory lost"), "{stats}");
     // The guest makes no progress: it waits on pages that cannot come back
     // rather than reading them as zeros.

@@ -59,6 +59,26 @@ pub fn control(socket: &std::path::Path, request: &serde_json::Value) -> serde_j
     try_control(socket, request).unwrap_or_else(|| panic!("{}: no reply to {request}", socket.display()))
 }
 
+/// Polls `stats` on `socket` until `done` holds (returning that reply),
+/// failing on a guest error or after `seconds`.
+pub fn wait_stats(
+    socket: &std::path::Path,
+    what: &str,
+    seconds: u64,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    loop {
+        let stats = control(socket, &serde_json::json!({"cmd": "stats"}));
+        assert!(stats["guest"]["error"].is_null(), "guest failed: {stats}");
+        if done(&stats) {
+            return stats;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: never happened: {stats}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// A child process, killed when dropped.
 pub struct Proc(pub std::process::Child);
 
