@@ -239,8 +239,11 @@ impl FaultSide {
                     break;
                 }
             }
-            let (start, _) = marks(self.state.lock().unwrap().limit);
-            if self.state.lock().unwrap().resident_count > start {
+            let over = {
+                let state = self.state.lock().unwrap();
+                state.resident_count > marks(state.limit).0
+            };
+            if over {
                 self.wake.notify();
             }
         }
