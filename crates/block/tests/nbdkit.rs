@@ -4,6 +4,7 @@
 
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use tsubame_block::nbd::{flags, NbdClient, NbdUri, MAX_IN_FLIGHT};
@@ -20,7 +21,7 @@ struct Nbdkit {
 impl Nbdkit {
     /// Starts `nbdkit [filters] PLUGIN ARGS...` on localhost.
     fn start(args: &[&str]) -> Nbdkit {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = unused_port();
         let child = Command::new("nbdkit")
             .args(["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p", &port.to_string()])
             .args(args)
@@ -51,6 +52,21 @@ impl Drop for Nbdkit {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A port for one nbdkit of this process. Not "bind port 0 and let go":
+/// two tests running at once could be handed the same ephemeral port, and
+/// one test's client then talked to the other test's server (CI saw it).
+/// Ports below the ephemeral range, a distinct one per call, offset by the
+/// process id so that two test processes do not meet; a port some other
+/// program holds is skipped by trying to bind it first.
+fn unused_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 500) as u16 * 20;
+    (0..100)
+        .map(|_| base + NEXT.fetch_add(1, Ordering::Relaxed) % 20)
+        .find(|&port| TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("no free port for nbdkit")
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
