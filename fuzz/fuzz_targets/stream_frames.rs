@@ -41,6 +41,8 @@ fuzz_target!(|data: &[u8]| {
         wire::FrameKind::WarmBlocks,
         wire::FrameKind::DiskWritten,
         wire::FrameKind::WarmData,
+        wire::FrameKind::FarMemory,
+        wire::FrameKind::FarPages,
     ] {
         parse(kind, data);
     }
@@ -102,6 +104,13 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         }
         wire::FrameKind::WarmData => {
             let _ = wire::WarmData::decode(payload, 1 << 30);
+        }
+        wire::FrameKind::FarMemory => {
+            let _ = wire::far::FarMemory::decode(payload, PAGES * 4096);
+        }
+        wire::FrameKind::FarPages => {
+            // A page count that is not whole words, too.
+            let _ = wire::far::FarPages::decode(payload, PAGES - 3);
         }
         _ => {}
     }

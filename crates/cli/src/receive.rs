@@ -149,6 +149,14 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
     let host = RunningVm::new(Arc::new(vm), console, "received by migration".into());
+    if let Some(far) = incoming.far {
+        // The memory hosts are ours now: serve the far pages from them.
+        let far = far
+            .start(host.vm.clone())
+            .map_err(|e| anyhow::anyhow!("far memory: {e}: the VM cannot run without its far pages"))?;
+        host.set_far(far);
+        crate::run::watch_far_memory(&host);
+    }
     *control.host.lock().unwrap() = Some(host.clone());
     if let Some(postcopy) = incoming.postcopy {
         follow_postcopy(postcopy, host.clone());
@@ -165,6 +173,12 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         progress.ops,
         progress.mean_ops_per_sec
     );
+    if let Some(far) = host.far_stats() {
+        eprintln!("tsubame: {}", crate::run::far_summary(&far));
+        if let Some(error) = far.error {
+            anyhow::bail!("{error}");
+        }
+    }
     Ok(())
 }
 

@@ -225,7 +225,7 @@ fn far_error(e: tsubame_farmem::FarError) -> anyhow::Error {
 }
 
 /// Says once, on stderr, when far memory is lost and the VM paused.
-fn watch_far_memory(host: &Arc<RunningVm>) {
+pub fn watch_far_memory(host: &Arc<RunningVm>) {
     let host = Arc::downgrade(host);
     let _ = std::thread::Builder::new().name("far-watch".into()).spawn(move || {
         let mut told = Vec::new();

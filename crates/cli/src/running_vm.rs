@@ -159,11 +159,6 @@ impl RunningVm {
         if self.arriving.load(Ordering::Acquire) {
             return Err("the VM's memory is still arriving (post-copy); migrate it once it is all here".into());
         }
-        if self.far.get().is_some() {
-            return Err(
-                "migrating a VM with far memory is not built yet (issue 19): run it without --far-memory".into()
-            );
-        }
         {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
@@ -179,7 +174,10 @@ impl RunningVm {
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
-                let stats = source::migrate(&*host.vm, &to, &options, &progress);
+                let stats = match host.far.get() {
+                    Some(far) => source::migrate_far(&host.vm, far, &to, &options, &progress),
+                    None => source::migrate(&*host.vm, &to, &options, &progress),
+                };
                 *host.migration.lock().unwrap() =
                     Migration::Finished { stats: Box::new(stats), at: Instant::now(), delivered: false };
             })

@@ -2,7 +2,9 @@
 //! installed: without it these tests fail rather than skip): every
 //! workload runs with most of its memory far, a mirrored memory host may
 //! die, losing every host pauses the VM with a clear error, and bad
-//! exports are one-line errors before any VM runs.
+//! exports are one-line errors before any VM runs. A VM with far memory
+//! migrates: only its resident pages move, the destination attaches to
+//! the same memory host, and the guest goes on there.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{control, kvm_or_skip, scratch, tsubame, wait_for_socket, wait_stats, Proc};
+use common::{control, kvm_or_skip, scratch, spawn_receive, tsubame, wait_for_socket, wait_stats, Proc};
 use serde_json::{json, Value};
 
 /// `nbdkit memory SIZE` on a unix socket, killed on drop.
@@ -176,4 +178,85 @@ fn bad_far_memory_options_are_one_line_errors() {
         assert!(err.contains(says), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
     }
+}
+
+/// `tsubame migrate` of the VM at `source` to `incoming`: its exit code,
+/// its output and the statistics JSON.
+fn migrate(dir: &Path, source: &Path, incoming: &str, extra: &[&str]) -> (Option<i32>, String, Value) {
+    let json_path = dir.join("stats.json");
+    let _ = std::fs::remove_file(&json_path);
+    let out = tsubame()
+        .args(["migrate", "--control"])
+        .arg(source)
+        .args(["--to", incoming, "--json"])
+        .arg(&json_path)
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let stats = std::fs::read_to_string(&json_path).ok().and_then(|t| serde_json::from_str(&t).ok());
+    (out.status.code(), text, stats.unwrap_or(Value::Null))
+}
+
+#[test]
+fn a_vm_with_far_memory_migrates_without_its_far_pages() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-migrate");
+    let host = MemoryHost::start(&dir, "host", "128M");
+    for workload in ["kv", "bwmem", "fill-random", "zero-clear"] {
+        let (source, dest, incoming) =
+            (dir.join(format!("{workload}-s.sock")), dir.join(format!("{workload}-d.sock")), dir.join("in.sock"));
+        let _vm = run_far(&source, workload, &[host.uri()]);
+        let _receiver = spawn_receive(&incoming, Some(&dest), Stdio::null());
+        wait_for_socket(&source);
+        wait_for_socket(&dest);
+        let before = wait_stats(&source, workload, 60, |s| far(s, "far_pages") > 8000 && far(s, "faults") > 1000);
+        let far_before = far(&before, "far_pages");
+        let (code, text, stats) = migrate(&dir, &source, &format!("unix:{}", incoming.display()), &[]);
+        assert_eq!(code, Some(0), "{workload}: {text}");
+        assert_eq!(stats["status"], "completed", "{workload}: {stats}");
+        assert_eq!(stats["digest_verified"], true, "{workload}: {stats}");
+        // Only what was resident (and what came back meanwhile) moved.
+        let sent = stats["bytes_on_wire"].as_u64().unwrap();
+        assert!(sent < 64 << 20, "{workload}: {sent} bytes for a VM with {far_before} pages far: {stats}");
+        // The destination serves far pages from the same host, and the
+        // guest goes on (kv checks every value it reads back).
+        let arrived = wait_stats(&dest, "far pages at the destination", 30, |s| far(s, "faults") > 0);
+        let ops = arrived["guest"]["ops"].as_u64().unwrap_or(0);
+        let later =
+            wait_stats(&dest, "the guest going on", 60, |s| s["guest"]["ops"].as_u64().unwrap_or(0) > ops + 100);
+        assert_eq!(later["far_memory"]["error"], Value::Null, "{workload}: {later}");
+        assert!(later["guest"]["error"].is_null(), "{workload}: {later}");
+        assert!(far(&later, "evicted_pages") > 0 || far(&later, "far_pages") > 0, "{workload}: {later}");
+        control(&dest, &json!({"cmd": "quit"}));
+    }
+}
+
+#[test]
+fn a_failed_far_memory_migration_leaves_the_vm_evicting_here() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let dir = scratch("far-migrate-fail");
+    let host = MemoryHost::start(&dir, "host", "128M");
+    let sock = dir.join("vm.sock");
+    let _vm = run_far(&sock, "kv", &[host.uri()]);
+    wait_for_socket(&sock);
+    wait_stats(&sock, "pages far", 60, |s| far(s, "far_pages") > 8000);
+    // Nobody listens there: the migration fails before it starts.
+    let nowhere = format!("unix:{}", dir.join("nobody.sock").display());
+    let (code, text, _) = migrate(&dir, &sock, &nowhere, &[]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("the VM keeps running here"), "{text}");
+    // Post-copy is refused in one line.
+    let (code, text, _) = migrate(&dir, &sock, &nowhere, &["--postcopy", "after=1"]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("post-copy of a VM with far memory"), "{text}");
+    // Eviction goes on: residency stays under the limit while kv runs.
+    let evicted = far(&control(&sock, &json!({"cmd": "stats"})), "evicted_pages");
+    let stats = wait_stats(&sock, "eviction going on", 60, |s| far(s, "evicted_pages") > evicted + 4096);
+    assert!(far(&stats, "resident_pages") <= far(&stats, "local_limit_bytes") / 4096, "{stats}");
+    assert_eq!(stats["status"], "running", "{stats}");
 }

@@ -23,10 +23,11 @@ mod store;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tsubame_block::DiskSpec;
-use tsubame_vmm::{uffd::PageFaults, Vm, PAGE_SIZE};
+use tsubame_vmm::{uffd::PageFaults, DirtyBitmap, Vm, PAGE_SIZE};
 
 pub use store::StoreStatus;
 
@@ -111,22 +112,40 @@ pub struct FarStats {
 }
 
 /// Far memory prepared for a VM that has not started yet: the exports are
-/// open and guest memory is registered.
+/// open (and, once [`FarSetup::register`] ran, guest memory is registered).
 pub struct FarSetup {
     config: FarConfig,
-    faults: Arc<PageFaults>,
+    faults: Option<Arc<PageFaults>>,
     fault_stores: store::Stores,
     write_stores: store::Stores,
     health: store::Health,
+    /// A migrated VM's far pages and their copies' hashes.
+    arrived: Option<(DirtyBitmap, Vec<u128>)>,
 }
 
 /// Far memory serving a running VM.
 pub struct FarMemory {
+    config: FarConfig,
     state: Arc<Mutex<pager::State>>,
     faults: Arc<PageFaults>,
     health: store::Health,
     stop: Arc<AtomicBool>,
+    wake: Arc<pager::Wake>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// What a migration hands the destination: the exports and which pages
+/// live there. Ownership of the exports passes with the migration's commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FarMap {
+    /// The limit on resident memory, in bytes.
+    pub local_bytes: u64,
+    /// The exports, as `--far-memory` names them.
+    pub stores: Vec<String>,
+    /// Pages whose only copy is far.
+    pub far: DirtyBitmap,
+    /// Per page (valid where `far`), the hash (xxh3-128) of its far copy.
+    pub hashes: Vec<u128>,
 }
 
 impl FarSetup {
@@ -134,7 +153,33 @@ impl FarSetup {
     /// and registers guest memory for missing-page faults. Call before the
     /// vCPU starts, so every page it populates is counted.
     pub fn prepare(vm: &Vm, config: FarConfig) -> Result<FarSetup, FarError> {
-        let bytes = vm.memory_bytes();
+        if vm.hugepages() {
+            return Err(FarError::Config("far memory pages 4 KiB at a time: boot with --no-hugepages".into()));
+        }
+        let mut setup = FarSetup::open(config, vm.memory_bytes())?;
+        setup.register(vm)?;
+        Ok(setup)
+    }
+
+    /// For a migrated VM: opens the exports `map` names, to serve its far
+    /// pages once [`FarSetup::register`] and [`FarSetup::start`] ran.
+    pub fn arrived(map: FarMap, memory_bytes: u64) -> Result<FarSetup, FarError> {
+        let stores = map
+            .stores
+            .iter()
+            .map(|uri| uri.parse().map_err(|e: tsubame_block::BlockError| FarError::Store(uri.clone(), e.to_string())))
+            .collect::<Result<_, _>>()?;
+        let pages = memory_bytes.div_ceil(PAGE_SIZE as u64);
+        if map.far.pages() != pages || map.hashes.len() as u64 != pages {
+            return Err(FarError::Config(format!("the far page map covers {} pages, not {pages}", map.far.pages())));
+        }
+        let mut setup = FarSetup::open(FarConfig { local_bytes: map.local_bytes, stores }, memory_bytes)?;
+        setup.arrived = Some((map.far, map.hashes));
+        Ok(setup)
+    }
+
+    /// Checks the limits and opens the exports.
+    fn open(config: FarConfig, bytes: u64) -> Result<FarSetup, FarError> {
         if config.stores.is_empty() || config.stores.len() > 2 {
             return Err(FarError::Config("--far-memory takes one export, or two to mirror".into()));
         }
@@ -145,33 +190,40 @@ impl FarSetup {
                 bytes >> 20
             )));
         }
-        if vm.hugepages() {
-            return Err(FarError::Config("far memory pages 4 KiB at a time: boot with --no-hugepages".into()));
-        }
         let health: store::Health = Arc::new(Mutex::new(
             config.stores.iter().map(|s| StoreStatus { uri: s.to_string(), ok: true, error: None }).collect(),
         ));
         let fault_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
         let write_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
-        let faults = Arc::new(PageFaults::register(vm.memory()).map_err(|e| FarError::Vm(e.to_string()))?);
-        // Now, before the vCPU runs: changing a memory slot waits for every
-        // vCPU to leave KVM, and a vCPU waiting on a far page does not
-        // until the fault thread runs.
-        vm.set_dirty_logging(true).map_err(|e| FarError::Vm(e.to_string()))?;
-        Ok(FarSetup { config, faults, fault_stores, write_stores, health })
+        Ok(FarSetup { config, faults: None, fault_stores, write_stores, health, arrived: None })
+    }
+
+    /// Registers guest memory for missing-page faults and turns dirty
+    /// logging on. Before the vCPU starts: changing a memory slot waits for
+    /// every vCPU to leave KVM, and a vCPU waiting on a far page does not
+    /// until the fault thread runs.
+    pub fn register(&mut self, vm: &Vm) -> Result<(), FarError> {
+        let faults = PageFaults::register(vm.memory()).map_err(|e| FarError::Vm(e.to_string()))?;
+        self.faults = Some(Arc::new(faults));
+        vm.set_dirty_logging(true).map_err(|e| FarError::Vm(e.to_string()))
     }
 
     /// Starts the fault thread and the evictor for the started `vm`.
     pub fn start(self, vm: Arc<Vm>) -> Result<FarMemory, FarError> {
-        let pages = self.faults.pages();
+        let faults = self.faults.ok_or_else(|| FarError::Vm("far memory started before registering".into()))?;
+        let pages = faults.pages();
         let limit = self.config.local_bytes / PAGE_SIZE as u64;
-        let state = Arc::new(Mutex::new(pager::State::new(vm.memory(), pages, limit)));
+        let mut state = pager::State::new(vm.memory(), pages, limit);
+        if let Some((far, hashes)) = self.arrived {
+            state.seed(far, hashes);
+        }
+        let state = Arc::new(Mutex::new(state));
         let stop = Arc::new(AtomicBool::new(false));
         let wake = Arc::new(pager::Wake::default());
         let fault_thread = {
             let mut pager = pager::FaultSide {
                 state: state.clone(),
-                faults: self.faults.clone(),
+                faults: faults.clone(),
                 stores: self.fault_stores,
                 stop: stop.clone(),
                 wake: wake.clone(),
@@ -184,10 +236,10 @@ impl FarSetup {
         let evictor = {
             let mut evictor = pager::Evictor {
                 state: state.clone(),
-                faults: self.faults.clone(),
+                faults: faults.clone(),
                 stores: self.write_stores,
                 stop: stop.clone(),
-                wake,
+                wake: wake.clone(),
                 vm,
                 dirty: None,
             };
@@ -196,7 +248,15 @@ impl FarSetup {
                 .spawn(move || evictor.run())
                 .map_err(|e| FarError::Vm(e.to_string()))?
         };
-        Ok(FarMemory { state, faults: self.faults, health: self.health, stop, threads: vec![fault_thread, evictor] })
+        Ok(FarMemory {
+            config: self.config,
+            state,
+            faults,
+            health: self.health,
+            stop,
+            wake,
+            threads: vec![fault_thread, evictor],
+        })
     }
 }
 
@@ -209,6 +269,34 @@ impl FarMemory {
         stats.fault_latency_p99_us = faults.latency_p99_us;
         stats.stores = self.health.lock().unwrap().clone();
         stats
+    }
+
+    /// A migration starts: eviction stops and the write-back drains, so
+    /// that every far copy is current and stays so; pages that come back
+    /// from now on are marked in guest memory's VMM dirty log, so the
+    /// migration sends them. Returns the map of pages that live far.
+    pub fn hand_over(&self) -> Result<FarMap, FarError> {
+        self.state.lock().unwrap().handed_over = true;
+        loop {
+            {
+                let state = self.state.lock().unwrap();
+                if let Some(error) = &state.stats.error {
+                    return Err(FarError::Lost(error.clone()));
+                }
+                if !state.evicting {
+                    let (far, hashes) = state.far_map();
+                    let stores = self.config.stores.iter().map(ToString::to_string).collect();
+                    return Ok(FarMap { local_bytes: self.config.local_bytes, stores, far, hashes });
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The migration failed: the VM stays here, and eviction goes on.
+    pub fn take_back(&self) {
+        self.state.lock().unwrap().handed_over = false;
+        self.wake.notify();
     }
 
     /// Stops both threads. The VM must be stopped for good first: a vCPU

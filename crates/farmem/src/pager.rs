@@ -53,7 +53,12 @@ pub(crate) struct State {
     inflight: HashMap<u64, Arc<Batch>>,
     /// The CLOCK's hand, a word of the bitmaps.
     hand: usize,
-    stats: FarStats,
+    /// A migration holds the far map: no eviction (the far copies must
+    /// stay as the map says), and pages that come back are marked for it.
+    pub(crate) handed_over: bool,
+    /// The evictor chose a batch and has not finished writing it back.
+    pub(crate) evicting: bool,
+    pub(crate) stats: FarStats,
 }
 
 impl State {
@@ -77,6 +82,8 @@ impl State {
             prefetched: DirtyBitmap::new(pages),
             inflight: HashMap::new(),
             hand: 0,
+            handed_over: false,
+            evicting: false,
             stats: FarStats {
                 local_limit_bytes: limit * PAGE_SIZE as u64,
                 resident_max_pages: resident_count,
@@ -85,6 +92,20 @@ impl State {
             resident,
             resident_count,
         }
+    }
+
+    /// A migrated VM's far pages: their copies are where the source left
+    /// them, with these hashes.
+    pub(crate) fn seed(&mut self, far: DirtyBitmap, hashes: Vec<u128>) {
+        self.on_far = far;
+        self.far_hash = hashes;
+    }
+
+    /// Pages whose only copy is far, and each far copy's hash.
+    pub(crate) fn far_map(&self) -> (DirtyBitmap, Vec<u128>) {
+        let mut far = self.on_far.clone();
+        far.words_mut().iter_mut().zip(self.resident.words()).for_each(|(f, r)| *f &= !r);
+        (far, self.far_hash.clone())
     }
 
     pub(crate) fn stats(&self) -> FarStats {
@@ -96,6 +117,10 @@ impl State {
     }
 
     fn mark_resident(&mut self, page: u64, referenced: bool) {
+        if self.handed_over {
+            // The migration must send it: it no longer lives (only) far.
+            memory::mark_vmm_dirty(&self.mem, page, 1);
+        }
         if !self.resident.get(page) {
             self.resident.set(page);
             self.resident_count += 1;
@@ -158,7 +183,7 @@ pub(crate) struct Wake {
 }
 
 impl Wake {
-    fn notify(&self) {
+    pub(crate) fn notify(&self) {
         *self.flag.lock().unwrap() = true;
         self.cond.notify_one();
     }
@@ -355,15 +380,17 @@ impl Evictor {
         while !self.stop.load(Ordering::Acquire) {
             self.wake.wait(Duration::from_millis(50));
             loop {
-                let (count, limit, lost) = {
+                let (count, limit, lost, handed_over) = {
                     let s = self.state.lock().unwrap();
-                    (s.resident_count, s.limit, s.stats.error.is_some())
+                    (s.resident_count, s.limit, s.stats.error.is_some(), s.handed_over)
                 };
                 let (start, target) = marks(limit);
-                if lost || count <= start || self.stop.load(Ordering::Acquire) {
+                if lost || handed_over || count <= start || self.stop.load(Ordering::Acquire) {
                     break;
                 }
-                match self.evict((count - target).min(MAX_BATCH)) {
+                let result = self.evict((count - target).min(MAX_BATCH));
+                self.state.lock().unwrap().evicting = false;
+                match result {
                     Ok(0) => break,
                     Ok(_) => {}
                     Err(e) => {
@@ -386,6 +413,15 @@ impl Evictor {
 
     /// Evicts up to `n` pages; returns how many.
     fn evict(&mut self, n: u64) -> Result<u64, FarError> {
+        {
+            // Said before the vCPU stops, so that a migration taking the
+            // map waits for this batch, and never finds the VM paused by it.
+            let mut state = self.state.lock().unwrap();
+            if state.handed_over {
+                return Ok(0);
+            }
+            state.evicting = true;
+        }
         let running = !self.vm.status().is_stopped();
         let stopped_at = Instant::now();
         if running && self.vm.pause().is_err() {

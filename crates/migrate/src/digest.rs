@@ -1,8 +1,10 @@
 //! Per-region hashes of guest memory: the source sends them at
 //! stop-and-copy, the destination compares before it says READY.
 
+use std::sync::Arc;
+
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 /// Default region size: 256 KiB (32 KiB of hashes per GiB). Small enough
 /// that a few scattered dirty pages cost little re-hashing (see
@@ -15,7 +17,7 @@ pub const DEFAULT_REGION: u32 = 256 << 10;
 /// on `threads` threads; the VM must not be running. Pages the kernel
 /// never populated are zeros: their hash is known, not read.
 pub fn memory_digest(mem: &GuestMemory, region: u32, threads: usize) -> Vec<u64> {
-    let mut digest = IncrementalDigest::new(mem, region);
+    let mut digest = IncrementalDigest::new(mem, region, None);
     digest.refresh(mem, threads);
     digest.regions
 }
@@ -30,6 +32,8 @@ pub fn memory_digest(mem: &GuestMemory, region: u32, threads: usize) -> Vec<u64>
 /// one, and is hashed again then.
 pub struct IncrementalDigest {
     region: u32,
+    /// Far memory's pages: one not populated here takes its far copy's hash.
+    far: Option<Arc<FarPageHashes>>,
     /// Per page.
     pages: Vec<u64>,
     /// Per page: to hash again.
@@ -42,11 +46,12 @@ pub struct IncrementalDigest {
 
 impl IncrementalDigest {
     /// Every page stale: the first [`IncrementalDigest::refresh`] hashes all.
-    pub fn new(mem: &GuestMemory, region: u32) -> IncrementalDigest {
+    pub fn new(mem: &GuestMemory, region: u32, far: Option<Arc<FarPageHashes>>) -> IncrementalDigest {
         let pages = memory::page_count(mem) as usize;
         let regions = memory::size(mem).div_ceil(region as u64) as usize;
         IncrementalDigest {
             region,
+            far,
             pages: vec![0; pages],
             stale_pages: vec![true; pages],
             regions: vec![0; regions],
@@ -88,6 +93,7 @@ impl IncrementalDigest {
             .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region))
             .enumerate()
             .map(|(t, (((regions, stale_regions), pages), stale_pages))| Slice {
+                far: self.far.as_deref(),
                 first_page: (t * regions_per_thread * per_region) as u64,
                 per_region,
                 regions,
@@ -115,15 +121,33 @@ impl IncrementalDigest {
     }
 }
 
-/// The hash of one page as the digest takes it.
+/// The hash of one page as the digest takes it: the low half of its
+/// xxh3-128, so that far memory's hash of a far copy gives a far page's
+/// hash without reading it ([`far_copy_hash`]).
 pub fn page_hash(page: &[u8; PAGE_SIZE]) -> u64 {
-    xxh3_64(page)
+    xxh3_128(page) as u64
+}
+
+/// A far page's digest hash from the xxh3-128 far memory keeps of its copy.
+pub fn far_copy_hash(copy: u128) -> u64 {
+    copy as u64
+}
+
+/// The pages a VM keeps on a memory host and their copies' hashes: both
+/// ends' digests take those for a far page instead of reading it (which
+/// would fetch it, or read zeros where nothing is mapped yet).
+#[derive(Debug)]
+pub struct FarPageHashes {
+    /// Pages whose only copy is far (when not populated here).
+    pub far: DirtyBitmap,
+    /// Per page, the xxh3-128 of its far copy (valid where `far`).
+    pub hashes: Vec<u128>,
 }
 
 /// The hash of a zero page (and of a page never populated).
 pub fn zero_page_hash() -> u64 {
     static ZERO: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *ZERO.get_or_init(|| xxh3_64(&[0u8; PAGE_SIZE]))
+    *ZERO.get_or_init(|| page_hash(&[0u8; PAGE_SIZE]))
 }
 
 /// The region hashes of `region`-byte regions from each page's hash: what
@@ -141,6 +165,7 @@ const MIN_BYTES_PER_THREAD: usize = 64 << 20;
 
 /// One thread's share of an [`IncrementalDigest`]: whole regions.
 struct Slice<'a> {
+    far: Option<&'a FarPageHashes>,
     first_page: u64,
     per_region: usize,
     regions: &'a mut [u64],
@@ -173,12 +198,15 @@ impl Slice<'_> {
                 if !std::mem::take(&mut self.stale_pages[i]) {
                     continue;
                 }
+                let index = first_page + (i - first) as u64;
                 self.pages[i] = if populated[i - first] {
-                    memory::read_page(mem, first_page + (i - first) as u64, &mut page)
-                        .expect("page inside guest memory");
+                    memory::read_page(mem, index, &mut page).expect("page inside guest memory");
                     page_hash(&page)
                 } else {
-                    zero_page
+                    match self.far.filter(|f| f.far.get(index)) {
+                        Some(far) => far_copy_hash(far.hashes[index as usize]),
+                        None => zero_page,
+                    }
                 };
                 n += 1;
             }
@@ -211,8 +239,9 @@ enum Request {
 }
 
 impl BackgroundDigest {
-    /// Starts the thread; every page is marked at first.
-    pub fn start(mem: std::sync::Arc<GuestMemory>, region: u32) -> BackgroundDigest {
+    /// Starts the thread; every page is marked at first. With `far`, a far
+    /// page not populated takes its far copy's hash.
+    pub fn start(mem: Arc<GuestMemory>, region: u32, far: Option<Arc<FarPageHashes>>) -> BackgroundDigest {
         use std::sync::atomic::Ordering;
         let (requests, rx) = crossbeam_channel::unbounded::<Request>();
         let backlog = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(memory::page_count(&mem)));
@@ -220,7 +249,7 @@ impl BackgroundDigest {
         let thread = std::thread::Builder::new()
             .name("digest".into())
             .spawn(move || {
-                let mut digest = IncrementalDigest::new(&mem, region);
+                let mut digest = IncrementalDigest::new(&mem, region, far);
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
                 // Every page is stale at first.
                 let mut taken = memory::page_count(&mem);
@@ -319,14 +348,14 @@ mod tests {
     fn region_hashes_from_page_hashes_match_a_full_digest() {
         let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
         memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
-        let digest = BackgroundDigest::start(mem.clone(), 256 << 10);
+        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
         assert_eq!(region_hashes(&digest.page_hashes(), 256 << 10), memory_digest(&mem, 256 << 10, 1));
     }
 
     #[test]
     fn background_digest_counts_what_it_has_not_hashed() {
         let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
-        let digest = BackgroundDigest::start(mem.clone(), 256 << 10);
+        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
         assert!(digest.backlog_pages() <= 4096, "all pages at first, at most");
         assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
         assert_eq!(digest.backlog_pages(), 0);
@@ -343,7 +372,7 @@ mod tests {
     fn incremental_digest_matches_a_full_one() {
         let mem = memory::create(16 << 20, false).unwrap();
         memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
-        let mut incremental = IncrementalDigest::new(&mem, 256 << 10);
+        let mut incremental = IncrementalDigest::new(&mem, 256 << 10, None);
         assert_eq!(incremental.refresh(&mem, 2), 4096);
         assert_eq!(incremental.hashes(), memory_digest(&mem, 256 << 10, 1));
         // Pages 1000 and 4095 change: only their regions are hashed again.
@@ -360,7 +389,7 @@ mod tests {
         // Enough memory for the threaded path: the same hashes as one thread.
         let big = memory::create(128 << 20, false).unwrap();
         memory::write(&big, 100 << 20, &[9; 4096]).unwrap();
-        let mut one = IncrementalDigest::new(&big, 256 << 10);
+        let mut one = IncrementalDigest::new(&big, 256 << 10, None);
         one.refresh(&big, 1);
         assert_eq!(one.hashes(), memory_digest(&big, 256 << 10, 2));
     }

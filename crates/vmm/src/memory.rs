@@ -132,6 +132,23 @@ pub fn take_vmm_dirty(mem: &GuestMemory) -> DirtyBitmap {
     dirty
 }
 
+/// Marks `count` pages from `first` as written by the VMM (what
+/// [`take_vmm_dirty`] hands out next): for pages filled behind guest
+/// memory's back, e.g. installed through userfaultfd.
+pub fn mark_vmm_dirty(mem: &GuestMemory, first: u64, count: u64) {
+    for region in mem.iter() {
+        let start = region.start_addr().0 / PAGE_SIZE as u64;
+        let end = start + region.len() / PAGE_SIZE as u64;
+        let (from, to) = (first.max(start), (first + count).min(end));
+        if from < to {
+            vm_memory::MmapRegion::bitmap(region).set_addr_range(
+                ((from - start) * PAGE_SIZE as u64) as usize,
+                ((to - from) * PAGE_SIZE as u64) as usize,
+            );
+        }
+    }
+}
+
 /// Copies bytes out of guest memory at `addr`.
 pub fn read(mem: &GuestMemory, addr: u64, out: &mut [u8]) -> Result<(), MemoryError> {
     mem.read_slice(out, GuestAddress(addr)).map_err(|_| MemoryError::OutOfRange { addr, len: out.len() })

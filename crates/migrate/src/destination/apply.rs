@@ -31,7 +31,7 @@ impl PageMarks {
         PageMarks { touched: AtomicBitmap::new(pages as usize * PAGE_SIZE, page_size) }
     }
 
-    fn touch(&self, index: u64) {
+    pub(super) fn touch(&self, index: u64) {
         self.touched.set_bit(index as usize);
     }
 

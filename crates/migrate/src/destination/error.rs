@@ -37,6 +37,9 @@ pub enum ReceiveError {
     /// The VM state blob did not decode.
     #[error("VM state frame does not decode: {0}")]
     BadState(String),
+    /// Far memory's exports could not be attached.
+    #[error("far memory: {0}")]
+    FarMemory(String),
     /// The post-copy phase failed: the VM ran here without all its pages.
     #[error("post-copy: {0}")]
     Postcopy(String),

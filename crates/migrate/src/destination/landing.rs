@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use tsubame_block::{BlockCache, DiskSpec};
+use tsubame_farmem::{FarMap, FarSetup};
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
@@ -36,6 +37,11 @@ pub trait Landing {
     fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
         self.start()
     }
+    /// The VM has far memory (its pages named in `map` live on memory
+    /// hosts): attach to them. Plain memory ignores it, as it ignores disks.
+    fn far_memory(&mut self, _map: FarMap) -> Result<(), ReceiveError> {
+        Ok(())
+    }
 }
 
 /// Lands the VM in a KVM VM.
@@ -49,6 +55,9 @@ pub trait Landing {
 pub(super) struct VmLanding {
     pub(super) vm: Option<Vm>,
     pub(super) hugepages: bool,
+    /// Far memory's exports, opened when the map came; registered with the
+    /// VM's memory right before it starts.
+    pub(super) far: Option<FarSetup>,
 }
 
 impl Landing for VmLanding {
@@ -73,10 +82,19 @@ impl Landing for VmLanding {
 
     fn start(&mut self) -> Result<(), ReceiveError> {
         let vm = self.vm.as_mut().expect("created first");
-        if self.hugepages {
-            tsubame_vmm::memory::advise_hugepages(vm.memory());
+        match self.far.as_mut() {
+            // Far pages come back through userfaultfd, 4 KiB at a time.
+            Some(far) => far.register(vm).map_err(|e| ReceiveError::FarMemory(e.to_string()))?,
+            None if self.hugepages => tsubame_vmm::memory::advise_hugepages(vm.memory()),
+            None => {}
         }
         Ok(vm.start(false)?)
+    }
+
+    fn far_memory(&mut self, map: FarMap) -> Result<(), ReceiveError> {
+        let bytes = self.vm.as_ref().expect("created first").memory_bytes();
+        self.far = Some(FarSetup::arrived(map, bytes).map_err(|e| ReceiveError::FarMemory(e.to_string()))?);
+        Ok(())
     }
 
     fn start_postcopy(&mut self) -> Result<(), ReceiveError> {

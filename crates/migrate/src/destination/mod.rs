@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tsubame_farmem::FarSetup;
 use tsubame_vmm::Vm;
 
 pub use error::ReceiveError;
@@ -51,6 +52,10 @@ pub struct Incoming {
     /// Post-copy: the VM runs while the rest of its memory arrives; wait
     /// on this (if it fails, the VM is lost: it cannot go on).
     pub postcopy: Option<PostcopyHandle>,
+    /// Far memory attached and registered: start it with the VM in an
+    /// `Arc` ([`FarSetup::start`]); until then a vCPU that touches a far
+    /// page waits.
+    pub far: Option<FarSetup>,
 }
 
 /// Accepts one connection and receives a VM over it (and over the extra
@@ -69,7 +74,7 @@ pub fn receive_on(
     options: &ReceiveOptions,
     log: &dyn Fn(&str),
 ) -> Result<Incoming, ReceiveError> {
-    let mut landing = VmLanding { vm: None, hugepages: options.hugepages };
+    let mut landing = VmLanding { vm: None, hugepages: options.hugepages, far: None };
     let received = receive_into(stream, listener, options, log, &mut landing)?;
     Ok(Incoming {
         vm: landing.vm.expect("a received VM exists"),
@@ -78,6 +83,7 @@ pub fn receive_on(
         cpu_seconds: received.cpu_seconds,
         duration: received.duration,
         postcopy: received.postcopy,
+        far: landing.far,
     })
 }
 

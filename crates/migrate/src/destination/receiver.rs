@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
 use tsubame_codec::{CodecList, PageDecoder};
+use tsubame_farmem::FarMap;
 use tsubame_vmm::memory::{self, GuestMemory};
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
 use super::apply::{PageMarks, ShardWorker};
 use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
@@ -20,7 +22,8 @@ use super::options::ReceiveOptions;
 use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
 use crate::buffer_budget::BufferBudget;
-use crate::digest::BackgroundDigest;
+use crate::digest::{BackgroundDigest, FarPageHashes};
+use crate::protocol::far::{FarMemory, FarPages};
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
     self, shard_codecs, Digest, DiskWritten, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning, PostcopyStart,
@@ -56,6 +59,8 @@ struct Session {
     workers: Vec<std::thread::JoinHandle<()>>,
     /// The post-copy request connection, when the source may switch.
     urgent: Option<Stream>,
+    /// Far memory's pages, for the digest.
+    far: Option<Arc<FarPageHashes>>,
 }
 
 /// How pre-copy's memory phase ended.
@@ -128,16 +133,16 @@ impl<'a> StreamReceiver<'a> {
         self.next(&mut reader)?;
         let hello = Hello::decode(&self.frame.buf)?;
         self.opens_storage = landing.opens_storage();
-        let session = self.accept(&hello, writer, landing, channels)?;
+        let session = self.accept(&hello, &mut reader, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
         // Hashed in the background as pages land, so that after STATE only
         // the last pages need hashing before READY.
-        let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region);
+        let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region, session.far.clone());
         let result = self.receive_memory(&mut reader, writer, &session, &digest);
         // Post-copy starts from the hash of every page held now.
         let held = matches!(result, Ok(MemoryEnd::Postcopy(_))).then(|| digest.page_hashes());
         drop(digest);
-        let Session { mem, shared, main, readers, mut workers, urgent } = session;
+        let Session { mem, shared, main, readers, mut workers, urgent, .. } = session;
         shared.done.store(true, Ordering::Release);
         drop(main);
         if readers.is_empty() {
@@ -233,6 +238,7 @@ impl<'a> StreamReceiver<'a> {
     fn accept(
         &mut self,
         hello: &Hello,
+        mut reader: &mut dyn Read,
         writer: &BackChannel,
         landing: &mut dyn Landing,
         channels: Option<&ChannelSource>,
@@ -255,8 +261,31 @@ impl<'a> StreamReceiver<'a> {
                 hello.extra_connections() + 1
             )));
         }
+        if hello.far_memory() && hello.postcopy() {
+            return Err(ReceiveError::Mismatch("post-copy of a VM with far memory is not supported".into()));
+        }
         let mem = landing.create(hello.memory_bytes)?;
         write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Accept, &[]))?;
+        let marks = Arc::new(PageMarks::new(memory::page_count(&mem)));
+        let far = if hello.far_memory() {
+            let map = self.receive_far_map(&mut reader, hello.memory_bytes)?;
+            // A page that comes back and changes at the source may arrive as
+            // a zero record: it must overwrite what would otherwise be read
+            // from the memory host.
+            map.far.iter().for_each(|page| marks.touch(page));
+            let hashes = Arc::new(FarPageHashes { far: map.far.clone(), hashes: map.hashes.clone() });
+            (self.log)(&format!(
+                "far memory: {} MiB of the VM live on {}",
+                (map.far.count() * 4096) >> 20,
+                map.stores.join(" and ")
+            ));
+            if self.opens_storage {
+                landing.far_memory(map)?;
+            }
+            Some(hashes)
+        } else {
+            None
+        };
         (self.log)(&format!(
             "receiving a VM with {} MiB of memory over {} channel(s)",
             hello.memory_bytes >> 20,
@@ -287,7 +316,6 @@ impl<'a> StreamReceiver<'a> {
         if let Some(source) = channels {
             shared.streams.lock().unwrap().push(source.first.try_clone()?);
         }
-        let marks = Arc::new(PageMarks::new(memory::page_count(&mem)));
         let shard_list = shard_codecs(&codecs, hello.shards, hello.memory_bytes);
         // Only shards and channels matter here: pages arrive in frames.
         let layout = ShardLayout { batch_pages: 1, shards: hello.shards, channels: hello.channels };
@@ -331,7 +359,54 @@ impl<'a> StreamReceiver<'a> {
             );
         }
         let main = dispatcher(0);
-        Ok(Session { mem, shared, main, readers, workers, urgent })
+        Ok(Session { mem, shared, main, readers, workers, urgent, far })
+    }
+
+    /// FAR_MEMORY and its FAR_PAGES, on channel 0 before any page.
+    fn receive_far_map(&mut self, reader: &mut impl Read, memory_bytes: u64) -> Result<FarMap, ReceiveError> {
+        self.state = ReceiverState::FarMap;
+        let pages = memory_bytes.div_ceil(PAGE_SIZE as u64);
+        let kind = self.next(reader)?;
+        if kind != FrameKind::FarMemory {
+            return Err(WireError::Unexpected { got: kind, expected: "FAR_MEMORY" }.into());
+        }
+        let setup = FarMemory::decode(&self.frame.buf, memory_bytes)?;
+        let mut far = DirtyBitmap::new(pages);
+        let mut hashes = vec![0u128; pages as usize];
+        let mut named = 0;
+        let mut next_page = 0;
+        while named < setup.far_pages {
+            let kind = self.next(reader)?;
+            if kind != FrameKind::FarPages {
+                return Err(WireError::Unexpected { got: kind, expected: "FAR_PAGES" }.into());
+            }
+            let run = FarPages::decode(&self.frame.buf, pages)?;
+            if run.first_page < next_page {
+                return Err(WireError::bad("far_pages.first", "runs out of order").into());
+            }
+            next_page = run.first_page + run.words.len() as u64 * 64;
+            let first_word = (run.first_page / 64) as usize;
+            far.words_mut()[first_word..first_word + run.words.len()].copy_from_slice(&run.words);
+            let set = far.words()[first_word..first_word + run.words.len()].iter();
+            let mut run_hashes = run.hashes.iter();
+            for (w, &word) in set.enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let page = (first_word + w) as u64 * 64 + bits.trailing_zeros() as u64;
+                    bits &= bits - 1;
+                    hashes[page as usize] = *run_hashes.next().expect("one hash per set bit (decoded)");
+                }
+            }
+            named += run.hashes.len() as u64;
+        }
+        if named != setup.far_pages {
+            return Err(WireError::bad(
+                "far_pages",
+                format!("{named} pages named, FAR_MEMORY said {}", setup.far_pages),
+            )
+            .into());
+        }
+        Ok(FarMap { local_bytes: setup.local_bytes, stores: setup.stores, far, hashes })
     }
 
     /// Pages until STATE, then the digest check and repair passes; returns

@@ -8,8 +8,10 @@ pub const MAGIC: [u8; 8] = *b"TSBMIGR\0";
 pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// Version of this format; both ends must speak the same (3 added
 /// post-copy: HELLO's flags and the post-copy frames; 4 the disk: its
-/// state in STATE's `VmState`, WARM_BLOCKS and DISK_WRITTEN).
-pub const VERSION: u32 = 4;
+/// state in STATE's `VmState`, WARM_BLOCKS and DISK_WRITTEN; 5 far
+/// memory: FAR_MEMORY, FAR_PAGES, and the digest's page hash became the
+/// low half of xxh3-128, what far memory keeps of each far copy).
+pub const VERSION: u32 = 5;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -75,6 +77,10 @@ pub enum FrameKind {
     DiskWritten = 23,
     /// Contents of blocks named in WARM_BLOCKS, from the source's cache.
     WarmData = 24,
+    /// The VM has far memory: its exports and local limit.
+    FarMemory = 25,
+    /// A run of the far-page bitmap, with each far copy's hash.
+    FarPages = 26,
 }
 
 impl FrameKind {
@@ -106,6 +112,8 @@ impl FrameKind {
             22 => WarmBlocks,
             23 => DiskWritten,
             24 => WarmData,
+            25 => FarMemory,
+            26 => FarPages,
             _ => return None,
         })
     }

@@ -45,11 +45,19 @@ pub struct Hello {
 /// connection after the data channels, for the pages a destination asks
 /// for (CHANNEL `channels`).
 pub const HELLO_POSTCOPY: u16 = 1;
+/// HELLO flag: the VM has far memory; FAR_MEMORY and FAR_PAGES follow
+/// ACCEPT on channel 0, before the extra channels open.
+pub const HELLO_FAR_MEMORY: u16 = 2;
 
 impl Hello {
     /// True when the source may switch to post-copy.
     pub fn postcopy(&self) -> bool {
         self.flags & HELLO_POSTCOPY != 0
+    }
+
+    /// True when the VM has far memory.
+    pub fn far_memory(&self) -> bool {
+        self.flags & HELLO_FAR_MEMORY != 0
     }
 
     /// Connections the destination accepts after channel 0.
@@ -115,7 +123,7 @@ impl Hello {
         if !(1..=MAX_SHARDS).contains(&hello.shards) || hello.shards < hello.channels {
             return bad("hello.shards", format!("{} (channels to {MAX_SHARDS})", hello.shards));
         }
-        if hello.flags & !HELLO_POSTCOPY != 0 {
+        if hello.flags & !(HELLO_POSTCOPY | HELLO_FAR_MEMORY) != 0 {
             return bad("hello.flags", format!("{:#x} (unknown bits)", hello.flags));
         }
         Ok(hello)

@@ -28,6 +28,7 @@
 //! memory host), and warm storage caches (the source's hot block list).
 
 pub mod disk;
+pub mod far;
 pub mod fields;
 pub mod frame;
 pub mod kind;
@@ -47,7 +48,7 @@ pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
 pub use limits::{check_granularity, MAX_CHANNELS, MAX_REPAIR_ROUNDS, MAX_SHARDS};
 pub use messages::{
     ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
-    PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY,
+    PostcopyStart, Resume, ResumeAck, Resumed, HELLO_FAR_MEMORY, HELLO_POSTCOPY,
 };
 pub use shard::{shard_codecs, ShardLayout};
 pub use state::{ReceiverState, SourceState};

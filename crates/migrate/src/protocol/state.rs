@@ -103,6 +103,9 @@ impl SourceState {
 pub enum ReceiverState {
     /// Waiting for HELLO.
     Hello,
+    /// ACCEPT went out to a VM with far memory: FAR_MEMORY, then its
+    /// FAR_PAGES.
+    FarMap,
     /// Pre-copy: page frames and ITERATION_END until STATE.
     Iterating,
     /// STATE arrived; waiting for DIGEST.
@@ -128,6 +131,7 @@ impl ReceiverState {
         kind == Error
             || match self {
                 R::Hello => kind == Hello,
+                R::FarMap => matches!(kind, FarMemory | FarPages),
                 R::Iterating => {
                     kind.carries_pages()
                         || matches!(kind, IterationEnd | State | Postcopy | WarmBlocks | DiskWritten | WarmData)
@@ -146,6 +150,7 @@ impl ReceiverState {
     pub fn expects(self) -> &'static str {
         match self {
             ReceiverState::Hello => "HELLO",
+            ReceiverState::FarMap => "FAR_MEMORY or FAR_PAGES",
             ReceiverState::Iterating => "PAGES, ITERATION_END, STATE, POSTCOPY or a disk frame",
             ReceiverState::AwaitDigest => "DIGEST",
             ReceiverState::Repairing => "PAGES or DIGEST",

@@ -32,6 +32,9 @@ pub enum SourceError {
     /// The options contradict each other.
     #[error("{0}")]
     BadOptions(String),
+    /// Far memory could not hand over its map (a memory host failed).
+    #[error("{0}")]
+    FarMemory(String),
     /// Post-copy broke off: the VM ran at the destination without all its
     /// pages, and this copy is stale.
     #[error("post-copy failed ({0}): the VM is lost — it ran at the destination, which lacks pages only this paused copy holds; it is not resumed here")]

@@ -3,9 +3,13 @@
 //! dirty bits are cleared in KVM right before its pages are read, so a
 //! write racing the read dirties the page again and nothing is missed.
 
+use std::sync::Arc;
+
 use tsubame_vmm::{memory, VmError, PAGE_SIZE};
+use xxhash_rust::xxh3::xxh3_128;
 
 use super::vm::SourceVm;
+use crate::digest::FarPageHashes;
 
 /// Reads dirty pages into batches.
 pub struct Fetcher {
@@ -18,6 +22,10 @@ pub struct Fetcher {
     zero_records: bool,
     /// `--zero-copy`: leave pages in guest memory; the sender splices them.
     by_reference: bool,
+    /// Far memory's map: a far page is not sent while it is not populated
+    /// here, or while it still equals its far copy (the destination reads
+    /// it from the memory host).
+    pub far: Option<Arc<FarPageHashes>>,
 }
 
 impl Fetcher {
@@ -28,6 +36,7 @@ impl Fetcher {
             populated: vec![true; batch_pages],
             zero_records,
             by_reference,
+            far: None,
         }
     }
 
@@ -56,6 +65,16 @@ impl Fetcher {
                 let offset = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let index = first_page + offset as u64;
+                if let Some(far) = self.far.as_deref().filter(|f| f.far.get(index)) {
+                    if !populated[offset] {
+                        continue;
+                    }
+                    let slot = batch.next_slot();
+                    memory::read_page(vm.memory(), index, slot)?;
+                    if xxh3_128(slot) == far.hashes[index as usize] {
+                        continue;
+                    }
+                }
                 let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
                 if backed && !batch.by_reference {
                     memory::read_page(vm.memory(), index, batch.next_slot())?;

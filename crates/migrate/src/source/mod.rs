@@ -25,7 +25,10 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tsubame_vmm::{memory, DirtyBitmap, VcpuStatus, PAGE_SIZE};
+use std::io::Write;
+
+use tsubame_farmem::FarMemory;
+use tsubame_vmm::{memory, DirtyBitmap, VcpuStatus, Vm, PAGE_SIZE};
 
 pub use error::{PipelineError, SourceError};
 pub use vm::SourceVm;
@@ -35,10 +38,12 @@ use self::engine::{Engine, EngineSetup};
 use self::policy::PrecopyPolicy;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
-use crate::digest;
+use crate::digest::{self, FarPageHashes};
 use crate::options::{MigrateOptions, PostcopyMode, ProgressCell};
+use crate::protocol::far::{FarMemory as FarMemoryFrame, FarPages};
 use crate::protocol::{
-    self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError, HELLO_POSTCOPY,
+    self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError, HELLO_FAR_MEMORY,
+    HELLO_POSTCOPY,
 };
 use crate::stats::{process_cpu_seconds, thread_cpu_seconds, MigrationStats, Status};
 use crate::transport::{Address, Metered, Pacer, Stream};
@@ -46,6 +51,30 @@ use crate::transport::{Address, Metered, Pacer, Stream};
 /// Migrates `vm` to `to`. Always returns statistics; `status` says
 /// whether it worked. On failure before commit the VM runs again here.
 pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progress: &ProgressCell) -> MigrationStats {
+    migrate_with(vm, None, to, options, progress)
+}
+
+/// Migrates a VM with far memory: only its resident pages move, and the
+/// map of the pages that live on its memory hosts, which the destination
+/// attaches to (eviction stops here for the migration; on failure it goes
+/// on, and after commit this side never writes to the exports again).
+pub fn migrate_far(
+    vm: &Vm,
+    far: &FarMemory,
+    to: &Address,
+    options: &MigrateOptions,
+    progress: &ProgressCell,
+) -> MigrationStats {
+    migrate_with(vm, Some(far), to, options, progress)
+}
+
+fn migrate_with(
+    vm: &dyn SourceVm,
+    far: Option<&FarMemory>,
+    to: &Address,
+    options: &MigrateOptions,
+    progress: &ProgressCell,
+) -> MigrationStats {
     let start = Instant::now();
     let cpu_process = process_cpu_seconds();
     let cpu_thread = thread_cpu_seconds();
@@ -72,6 +101,8 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
         to: to.clone(),
         session: session_id(),
         warm_unsent: Vec::new(),
+        far,
+        far_map: None,
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -108,7 +139,11 @@ pub fn migrate(vm: &dyn SourceVm, to: &Address, options: &MigrateOptions, progre
                 None => error_chain(&e),
             };
             if !committed {
-                let _ = vm.set_dirty_logging(false);
+                match far {
+                    // Far memory keeps the log on: its evictor reads it.
+                    Some(far) => far.take_back(),
+                    None => drop(vm.set_dirty_logging(false)),
+                }
                 if let Err(resume) = vm.resume() {
                     message.push_str(&format!("; resuming the VM here failed too: {resume}"));
                 } else {
@@ -182,6 +217,11 @@ struct SourceRun<'a> {
     /// The disk cache's blocks named in WARM_BLOCKS whose contents are
     /// still to go (WARM_DATA after the first iteration).
     warm_unsent: Vec<u64>,
+    /// The VM's far memory, if it has some.
+    far: Option<&'a FarMemory>,
+    /// Its map, taken when the migration started: pages that live far are
+    /// not sent (unless they come back and change).
+    far_map: Option<(FarMemoryFrame, Arc<FarPageHashes>)>,
 }
 
 impl SourceRun<'_> {
@@ -204,6 +244,18 @@ impl SourceRun<'_> {
         let vm = self.vm;
         let options = self.options;
         options.check().map_err(SourceError::BadOptions)?;
+        // First: its eviction stops the vCPU for moments, and stops no more
+        // once the map is handed over.
+        if let Some(far) = self.far {
+            if options.postcopy != PostcopyMode::Off {
+                return Err(SourceError::BadOptions(
+                    "post-copy of a VM with far memory is not built yet: migrate it with --postcopy off".into(),
+                ));
+            }
+            let map = far.hand_over().map_err(|e| SourceError::FarMemory(e.to_string()))?;
+            let frame = FarMemoryFrame { local_bytes: map.local_bytes, far_pages: map.far.count(), stores: map.stores };
+            self.far_map = Some((frame, Arc::new(FarPageHashes { far: map.far, hashes: map.hashes })));
+        }
         match vm.status() {
             VcpuStatus::Running => {}
             other => {
@@ -264,13 +316,23 @@ impl SourceRun<'_> {
             session,
             channels: layout.channels,
             shards: layout.shards,
-            flags: if options.postcopy == PostcopyMode::Off { 0 } else { HELLO_POSTCOPY },
+            flags: if options.postcopy == PostcopyMode::Off { 0 } else { HELLO_POSTCOPY }
+                | if self.far_map.is_some() { HELLO_FAR_MEMORY } else { 0 },
         };
         write_frame_flushed(&mut writer, FrameKind::Hello, &hello.encode())?;
         let kind = protocol::read_frame(reader, &mut frame)?;
         self.state.check(kind)?;
         if kind == FrameKind::Error {
             return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
+        }
+        if let Some((far, pages)) = &self.far_map {
+            // Before any page, and before the other channels open: the
+            // destination must know which pages live far before it lands one.
+            protocol::write_frame(&mut writer, FrameKind::FarMemory, &far.encode())?;
+            for run in FarPages::split(&pages.far, &pages.hashes) {
+                protocol::write_frame(&mut writer, FrameKind::FarPages, &run.encode())?;
+            }
+            writer.flush()?;
         }
         // The other channels name the session; the destination accepts
         // them only after its ACCEPT.

@@ -33,6 +33,10 @@ impl SourceRun<'_> {
         } else {
             bitmap.set_all();
         }
+        if let Some((_, far)) = &self.far_map {
+            // They live on the memory host, which the destination attaches to.
+            bitmap.words_mut().iter_mut().zip(far.far.words()).for_each(|(b, f)| *b &= !f);
+        }
         if self.options.postcopy == PostcopyMode::After(0) {
             return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: None });
         }
@@ -118,9 +122,10 @@ impl SourceRun<'_> {
     /// (all memory the first time) while the next iteration runs.
     pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap) {
         let vm = self.vm;
-        let digest = self
-            .digest
-            .get_or_insert_with(|| digest::BackgroundDigest::start(vm.memory().clone(), self.options.digest_region));
+        let digest = self.digest.get_or_insert_with(|| {
+            let far = self.far_map.as_ref().map(|(_, far)| far.clone());
+            digest::BackgroundDigest::start(vm.memory().clone(), self.options.digest_region, far)
+        });
         digest.mark(sent.clone());
     }
 
@@ -142,6 +147,7 @@ impl SourceRun<'_> {
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
         let mut fetcher = Fetcher::new(layout.batch_pages as usize, self.options.codecs.zero, self.options.zero_copy);
+        fetcher.far = self.far_map.as_ref().map(|(_, far)| far.clone());
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
         let order: Vec<usize> =
