@@ -19,6 +19,13 @@ Configurations (`--configs`):
 Each runs `tsubame run` for --warmup seconds (kv loads its keys), then
 reads the guest's ops over the next --seconds from the control socket and, for `far`, fault latency. Run as root (swap,
 cgroups, namespaces). Not yet here (issue 19): QEMU as the swapping VMM.
+
+Migration (`--migrate`): the same guest, after --warmup, migrated over a
+unix socket paced at --link to `tsubame receive`, fully local
+(`migrate-local`) and with --local-memory and the rest on a memory host
+(`migrate-far`: only the resident pages and the far-page map move). It
+reports the migration's total time, downtime and bytes, that the digest
+verified, and the guest's ops at the destination over 3 s.
 """
 
 import argparse
@@ -36,6 +43,7 @@ from tsubame_bench.link import Link, remove_stale_namespaces  # noqa: E402
 from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
 
 CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram"]
+MIGRATE_CONFIGS = ["migrate-local", "migrate-far"]
 NBD_PORT = 10809
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
@@ -218,6 +226,77 @@ def run_one(args, config, workload, work):
             link.teardown()
 
 
+def migrate_one(args, config, workload, work):
+    """Boots, warms up, migrates at --link; the migration's figures."""
+    sock, dest_sock, incoming = (os.path.join(work, n) for n in ("vm.sock", "dest.sock", "in.sock"))
+    for path in (sock, dest_sock, incoming):
+        if os.path.exists(path):
+            os.unlink(path)
+    cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
+           "--workload-arg", f"wss={args.wss}", "--control", sock]
+    if args.rate:
+        cmd += ["--workload-arg", f"rate={args.rate}"]
+    host, proc, dest = None, None, None
+    r = {"config": config, "workload": workload}
+    try:
+        if config == "migrate-far":
+            host = MemoryHost(args.memory, work)
+            cmd += ["--local-memory", args.local, "--far-memory", host.uri()]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        dest = subprocess.Popen([args.tsubame, "receive", "--quiet", "--no-hugepages", "--listen",
+                                 f"unix:{incoming}", "--control", dest_sock],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(args.warmup)
+        before = control_request(sock, {"cmd": "stats"})
+        r["far_pages_before"] = (before.get("far_memory") or {}).get("far_pages", 0)
+        json_path = os.path.join(work, "migration.json")
+        out = subprocess.run([args.tsubame, "migrate", "--control", sock, "--to", f"unix:{incoming}",
+                              "--max-bandwidth", args.link, "--json", json_path],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+        if out.returncode != 0:
+            r["failed"] = out.stdout.strip()[-300:]
+            return r
+        with open(json_path) as f:
+            stats = json.load(f)
+        r.update({k: stats.get(k) for k in ("status", "total_time_ms", "downtime_ms", "bytes_on_wire",
+                                            "digest_verified", "iterations", "pages_sent")})
+        ops0 = guest_ops(dest_sock)
+        time.sleep(3)
+        ops1 = guest_ops(dest_sock)
+        r["dest_ops_per_sec"] = int((ops1 - ops0) / 3) if ops0 is not None and ops1 is not None else None
+        after = control_request(dest_sock, {"cmd": "stats"})
+        r["dest_far_error"] = (after.get("far_memory") or {}).get("error")
+        r["dest_guest_error"] = after["guest"].get("error")
+        try:
+            control_request(dest_sock, {"cmd": "quit"})
+        except OSError:
+            pass
+        return r
+    finally:
+        for p in (proc, dest):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+        if host:
+            host.stop()
+
+
+def migrate_table(results):
+    rows = ["| workload | config | total s | ÷ migrate-local | downtime ms | MiB sent | digest | dest ops/s |",
+            "|---|---|---|---|---|---|---|---|"]
+    by = {(r["workload"], r["config"]): r.get("total_time_ms") for r in results}
+    for r in results:
+        if "total_time_ms" not in r:
+            rows.append(f"| {r['workload']} | {r['config']} | failed: {r.get('failed', '?')} | | | | | |")
+            continue
+        base = by.get((r["workload"], "migrate-local"))
+        ratio = f"{r['total_time_ms'] / base:.2f}" if base else "n/a"
+        rows.append(f"| {r['workload']} | {r['config']} | {r['total_time_ms'] / 1e3:.1f} | {ratio} | "
+                    f"{r['downtime_ms']:.0f} | {r['bytes_on_wire'] / 2**20:.0f} | "
+                    f"{'verified' if r['digest_verified'] else 'NOT verified'} | {r['dest_ops_per_sec']} |")
+    return "\n".join(rows)
+
+
 def table(results):
     rows = ["| workload | config | ops/s | ÷ swap-disk | ÷ swap-zram | ÷ local | fault p50 / p99 µs |",
             "|---|---|---|---|---|---|---|"]
@@ -247,12 +326,18 @@ def main(argv=None):
                         "kernel memory a cgroup v1 charges for KVM's page tables, which far memory does not limit")
     p.add_argument("--workloads", default="kv,bwmem")
     p.add_argument("--far-link", default="10Gbit", help="the shaped link to the memory host of far-10g")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=None, help=f"default: {','.join(CONFIGS)}; with --migrate: "
+                                                   f"{','.join(MIGRATE_CONFIGS)}")
+    p.add_argument("--migrate", action="store_true", help="measure migrations instead of ops/s")
+    p.add_argument("--link", default="1Gbit", help="the migration's rate with --migrate")
+    p.add_argument("--rate", help="with --migrate: the guest's write cap in MB/s (workload-arg rate=)")
     p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
     p.add_argument("--seconds", type=float, default=20, help="seconds measured")
     p.add_argument("--tsubame", default="target/release/tsubame")
     p.add_argument("--out", default="results/far-memory")
     args = p.parse_args(argv)
+    known = MIGRATE_CONFIGS if args.migrate else CONFIGS
+    args.configs = args.configs or ",".join(known)
     if os.geteuid() != 0:
         raise HarnessError("run as root (swap, cgroups)")
     args.tsubame = os.path.abspath(args.tsubame)
@@ -263,19 +348,18 @@ def main(argv=None):
     try:
         for workload in args.workloads.split(","):
             for config in args.configs.split(","):
-                if config not in CONFIGS:
-                    raise HarnessError(f"unknown config {config} (known: {', '.join(CONFIGS)})")
+                if config not in known:
+                    raise HarnessError(f"unknown config {config} (known: {', '.join(known)})")
                 print(f"far_memory: {workload} {config} ...", file=sys.stderr, flush=True)
-                r = run_one(args, config, workload, work)
-                print(f"far_memory: {workload} {config}: {r.get('ops_per_sec', r.get('failed'))} ops/s",
-                      file=sys.stderr, flush=True)
+                r = (migrate_one if args.migrate else run_one)(args, config, workload, work)
+                print(f"far_memory: {workload} {config}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 results.append(r)
                 with open(os.path.join(args.out, "results.json"), "w") as f:
                     json.dump(results, f, indent=1)
     finally:
         swap_off_all()
         subprocess.run(["rm", "-rf", work])
-    text = table(results)
+    text = migrate_table(results) if args.migrate else table(results)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
     print(text)

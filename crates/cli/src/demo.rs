@@ -12,8 +12,9 @@ use tsubame_migrate::{source, Address, ProgressCell};
 
 use crate::console::{ConsoleFollower, Echo};
 use crate::control::ControlClient;
+use crate::far_args::FarArgs;
 use crate::migrate_cmd::{print_summary, progress_bar, progress_message, write_json, MigrateFlags};
-use crate::run::VmArgs;
+use crate::run::{far_error, far_summary, VmArgs};
 use crate::usage_error;
 
 /// Options of `tsubame demo`.
@@ -23,6 +24,8 @@ pub struct DemoArgs {
     pub vm: VmArgs,
     #[command(flatten)]
     pub flags: MigrateFlags,
+    #[command(flatten)]
+    pub far: FarArgs,
     /// Seconds the workload runs before the migration starts.
     #[arg(long, default_value_t = 2.0)]
     pub warmup: f64,
@@ -99,8 +102,19 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         other => return Err(usage_error(format!("--transport '{other}': use unix or tcp"))),
     };
 
-    let mut vm = args.vm.boot()?;
     let memory = args.vm.memory_bytes()?;
+    let far_config = args.far.config(memory)?;
+    let mut vm_args = args.vm.clone();
+    if far_config.is_some() {
+        // Far memory moves 4 KiB pages: no huge pages to split.
+        vm_args.no_hugepages = true;
+    }
+    let mut vm = vm_args.boot()?;
+    // With `auto`, the memory host is ours: it lives until the demo ends.
+    let (far_setup, _memory_host) = match far_config {
+        Some((config, host)) => (Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?), host),
+        None => (None, None),
+    };
     let log = dir.join("destination.log");
     let child = Command::new(std::env::current_exe()?)
         .args(["receive", "--once", "--quiet", "--listen", &to.to_string()])
@@ -120,6 +134,10 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), Echo::Quiet);
     vm.start(false)?;
     let vm = Arc::new(vm);
+    let far = match far_setup {
+        Some(setup) => Some(Arc::new(setup.start(vm.clone()).map_err(far_error)?)),
+        None => None,
+    };
     eprintln!(
         "tsubame demo: {} VM running '{}' here; destination is process {} on {to}",
         crate::units::format_bytes(memory),
@@ -134,10 +152,14 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         anyhow::bail!("the guest failed before migration: {error}");
     }
 
+    let far_before = far.as_ref().map(|f| f.stats());
     let progress = Arc::new(ProgressCell::default());
     let engine = {
-        let (vm, to, progress, options) = (vm.clone(), to.clone(), progress.clone(), options.clone());
-        std::thread::spawn(move || source::migrate(&*vm, &to, &options, &progress))
+        let (vm, to, progress, options, far) = (vm.clone(), to.clone(), progress.clone(), options.clone(), far.clone());
+        std::thread::spawn(move || match far {
+            Some(far) => source::migrate_far(&vm, &far, &to, &options, &progress),
+            None => source::migrate(&*vm, &to, &options, &progress),
+        })
     };
     while !engine.is_finished() {
         bar.set_message(progress_message(&progress.get()));
@@ -178,6 +200,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "ops_at_switch": at_switch.ops,
         "ops_at_destination": ops_of(&later),
         "guest_continued": continued,
+        "far_memory": far_before.as_ref().map(|source| json!({"source": source, "destination": later["far_memory"]})),
     });
     let _ = client.request(&json!({"cmd": "quit"}));
     drop(destination);
@@ -190,6 +213,12 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         at_switch.ops,
         ops_of(&later)
     );
+    if let Some(source) = &far_before {
+        println!("  far memory:  here before: {}", far_summary(source));
+        if let Ok(destination) = serde_json::from_value(later["far_memory"].clone()) {
+            println!("               destination: {}", far_summary(&destination));
+        }
+    }
     write_json(&args.flags.json, &json_stats)?;
     let _ = std::fs::remove_dir_all(&dir);
     if !continued {

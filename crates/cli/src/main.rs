@@ -4,6 +4,7 @@ mod console;
 mod control;
 mod demo;
 mod disk_cmd;
+mod far_args;
 mod migrate_cmd;
 mod plot;
 mod receive;

@@ -9,6 +9,7 @@ use tsubame_vmm::{guest_elf, Vm, VmConfig};
 
 use crate::console::{ConsoleFollower, Echo};
 use crate::control::{ControlHandler, ControlServer};
+use crate::far_args::FarArgs;
 use crate::running_vm::{RunningVm, VmEnd};
 use crate::units::{format_bytes, parse_size};
 use crate::usage_error;
@@ -30,31 +31,8 @@ pub struct RunArgs {
     /// Do not print the guest's lines.
     #[arg(long, short)]
     pub quiet: bool,
-    /// Keep at most this much guest memory resident (with --far-memory):
-    /// colder pages live on the memory host and come back on access.
-    #[arg(long, value_name = "SIZE", requires = "far_memory")]
-    pub local_memory: Option<String>,
-    /// Borrow a memory host's RAM: an NBD export at least as large as
-    /// guest memory (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH,
-    /// e.g. served by `nbdkit memory 8G`). Give two (repeat the flag, or
-    /// separate with a comma) to mirror every page to both: losing one
-    /// pauses nothing; losing both pauses the VM.
-    #[arg(long, value_name = "URI", requires = "local_memory", value_delimiter = ',')]
-    pub far_memory: Vec<String>,
-}
-
-impl RunArgs {
-    /// Far memory's configuration, when asked for.
-    fn far_config(&self) -> anyhow::Result<Option<tsubame_farmem::FarConfig>> {
-        let Some(local) = &self.local_memory else { return Ok(None) };
-        let local_bytes = parse_size(local).map_err(|e| usage_error(format!("--local-memory: {e}")))?;
-        let stores = self
-            .far_memory
-            .iter()
-            .map(|uri| uri.parse().map_err(|e: tsubame_block::BlockError| usage_error(format!("--far-memory: {e}"))))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok(Some(tsubame_farmem::FarConfig { local_bytes, stores }))
-    }
+    #[command(flatten)]
+    pub far: FarArgs,
 }
 
 /// What VM to boot.
@@ -162,16 +140,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.seconds.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
         return Err(usage_error("--seconds must be a positive number"));
     }
-    let far_config = args.far_config()?;
+    let far_config = args.far.config(args.vm.memory_bytes()?)?;
     let mut vm_args = args.vm.clone();
     if far_config.is_some() {
         // Far memory moves 4 KiB pages: no huge pages to split.
         vm_args.no_hugepages = true;
     }
     let mut vm = vm_args.boot()?;
-    let far = match far_config {
-        Some(config) => Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?),
-        None => None,
+    // Lives as long as the VM: with `auto`, the memory host is ours.
+    let (far, _memory_host) = match far_config {
+        Some((config, host)) => (Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?), host),
+        None => (None, None),
     };
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
@@ -217,7 +196,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn far_error(e: tsubame_farmem::FarError) -> anyhow::Error {
+pub fn far_error(e: tsubame_farmem::FarError) -> anyhow::Error {
     match e {
         tsubame_farmem::FarError::Config(_) => usage_error(e.to_string()),
         other => anyhow::anyhow!("{other}"),

@@ -28,14 +28,16 @@ impl SourceRun<'_> {
         let vm = self.vm;
         let mut bitmap = vm.dirty_bitmap();
         vm.set_dirty_logging(true)?;
-        if vm.manual_dirty_protect() {
+        if let Some((_, far)) = &self.far_map {
+            // Far memory kept the log on since boot: it holds only what
+            // changed lately, not every page. Every page but the far ones,
+            // which live on the memory host the destination attaches to.
+            bitmap.set_all();
+            bitmap.words_mut().iter_mut().zip(far.far.words()).for_each(|(b, f)| *b &= !f);
+        } else if vm.manual_dirty_protect() {
             vm.dirty_log(&mut bitmap)?; // all ones: logging just started
         } else {
             bitmap.set_all();
-        }
-        if let Some((_, far)) = &self.far_map {
-            // They live on the memory host, which the destination attaches to.
-            bitmap.words_mut().iter_mut().zip(far.far.words()).for_each(|(b, f)| *b &= !f);
         }
         if self.options.postcopy == PostcopyMode::After(0) {
             return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: None });
