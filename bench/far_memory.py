@@ -14,11 +14,15 @@ Configurations (`--configs`):
                to L plus --overhead (the VMM's own memory and the kernel's
                for KVM, charged to the cgroup), swapping to
                a swap file on the local disk;
-  swap-zram    the same cgroup, swapping to /dev/zram0 (compressed RAM).
+  swap-zram    the same cgroup, swapping to /dev/zram0 (compressed RAM);
+  qemu-swap-disk, qemu-swap-zram
+               QEMU (KVM, the same guest ELF via -kernel, its progress on
+               a debugcon socket) in the same cgroup and swap: the
+               swapping baseline of another VMM.
 
 Each runs `tsubame run` for --warmup seconds (kv loads its keys), then
 reads the guest's ops over the next --seconds from the control socket and, for `far`, fault latency. Run as root (swap,
-cgroups, namespaces). Not yet here (issue 19): QEMU as the swapping VMM.
+cgroups, namespaces).
 
 Migration (`--migrate`): the same guest, after --warmup, migrated over a
 unix socket paced at --link to `tsubame receive`, fully local
@@ -32,17 +36,19 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tsubame_bench.console import TSC_KHZ_RE, LineLog, progress_points  # noqa: E402
 from tsubame_bench.control import control_request  # noqa: E402
 from tsubame_bench.link import Link, remove_stale_namespaces  # noqa: E402
 from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
 
-CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram"]
+CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram", "qemu-swap-disk", "qemu-swap-zram"]
 MIGRATE_CONFIGS = ["migrate-local", "migrate-far"]
 NBD_PORT = 10809
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
@@ -161,6 +167,61 @@ class MemoryHost:
 FAR = re.compile(r"p50 (\d+) µs, p99 (\d+) µs")
 
 
+class QemuGuest:
+    """The guest under QEMU: the same ELF and command line as `tsubame run`; its
+    progress lines from a debugcon chardev socket."""
+
+    def __init__(self, args, workload, work, wrap):
+        elf = os.path.join(work, "guest.elf")
+        if not os.path.exists(elf):
+            sh(args.tsubame, "guest-elf", elf)
+        cmdline = f"workload={workload} wss={args.wss} tsc_khz={tsc_khz(args.tsubame)}"
+        console = os.path.join(work, "qemu-con.sock")
+        if os.path.exists(console):
+            os.unlink(console)
+        cmd = [args.qemu, "-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", args.memory, "-nodefaults",
+               "-nographic", "-kernel", elf, "-append", cmdline,
+               "-chardev", f"socket,id=d,path={console},server=on,wait=off",
+               "-device", "isa-debugcon,iobase=0xe9,chardev=d"]
+        self.proc = subprocess.Popen(wrap(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = LineLog()
+        for _ in range(500):
+            try:
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(console)
+                self.log.follow(s.makefile("rb"))
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise HarnessError(f"qemu exited: {self.proc.stderr.read().strip()[-300:]}")
+                time.sleep(0.02)
+        raise HarnessError("qemu's console socket did not come up")
+
+    def ops(self):
+        points = progress_points(self.log.snapshot())
+        return points[-1][1] if points else None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_TSC = {}
+
+
+def tsc_khz(tsubame):
+    """The host TSC rate as tsubame reads it from KVM (its guest's banner)."""
+    if tsubame not in _TSC:
+        p = subprocess.run([tsubame, "run", "--memory", "16M", "--workload", "idle", "--seconds", "0.3"],
+                           capture_output=True, text=True, timeout=30)
+        m = TSC_KHZ_RE.search(p.stdout)
+        if not m:
+            raise HarnessError(f"cannot read tsc_khz from `tsubame run`: {p.stderr.strip()}")
+        _TSC[tsubame] = int(m.group(1))
+    return _TSC[tsubame]
+
+
 def guest_ops(sock):
     try:
         return control_request(sock, {"cmd": "stats"})["guest"]["ops"]
@@ -175,9 +236,24 @@ def run_one(args, config, workload, work):
         os.unlink(sock)
     cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
            "--workload-arg", f"wss={args.wss}", "--control", sock]
-    host, swap, cgroup, proc, link = None, None, None, None, None
+    host, swap, cgroup, proc, link, qemu = None, None, None, None, None, None
     r = {"config": config, "workload": workload}
     try:
+        if config.startswith("qemu-swap-"):
+            swap = Swap(config[len("qemu-swap-"):], parse_size(args.memory), work)
+            cgroup = Cgroup(parse_size(args.local) + parse_size(args.overhead))
+            qemu = QemuGuest(args, workload, work, cgroup.command)
+            time.sleep(args.warmup)
+            t0, ops0 = time.monotonic(), qemu.ops()
+            time.sleep(args.seconds)
+            t1, ops1 = time.monotonic(), qemu.ops()
+            if qemu.proc.poll() is not None:
+                r["failed"] = f"qemu exit {qemu.proc.returncode}: {qemu.proc.stderr.read().strip()[-300:]}"
+            elif ops0 is None or ops1 is None:
+                r["failed"] = "no progress line from the guest"
+            else:
+                r["ops_per_sec"] = int((ops1 - ops0) / (t1 - t0))
+            return r
         if config == "far":
             host = MemoryHost(args.memory, work)
             cmd += ["--local-memory", args.local, "--far-memory", host.uri()]
@@ -219,7 +295,7 @@ def run_one(args, config, workload, work):
         if proc and proc.poll() is None:
             proc.kill()
             proc.wait()
-        for thing in (host, cgroup, swap):
+        for thing in (qemu, host, cgroup, swap):
             if thing:
                 thing.stop()
         if link:
@@ -298,13 +374,14 @@ def migrate_table(results):
 
 
 def table(results):
-    rows = ["| workload | config | ops/s | ÷ swap-disk | ÷ swap-zram | ÷ local | fault p50 / p99 µs |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| workload | config | ops/s | ÷ swap-disk | ÷ swap-zram | ÷ qemu-swap-disk | ÷ local | "
+            "fault p50 / p99 µs |",
+            "|---|---|---|---|---|---|---|---|"]
     by = {(r["workload"], r["config"]): r.get("ops_per_sec") for r in results}
     for r in results:
         w = r["workload"]
         if "ops_per_sec" not in r:
-            rows.append(f"| {w} | {r['config']} | failed: {r.get('failed', '?')} | | | | |")
+            rows.append(f"| {w} | {r['config']} | failed: {r.get('failed', '?')} | | | | | |")
             continue
 
         def ratio(base):
@@ -312,7 +389,7 @@ def table(results):
             return f"{r['ops_per_sec'] / b:.2f}" if b else ("∞" if b == 0 else "n/a")
         lat = f"{r['fault_p50_us']} / {r['fault_p99_us']}" if "fault_p50_us" in r else ""
         rows.append(f"| {w} | {r['config']} | {r['ops_per_sec']} | {ratio('swap-disk')} | {ratio('swap-zram')} | "
-                    f"{ratio('local')} | {lat} |")
+                    f"{ratio('qemu-swap-disk')} | {ratio('local')} | {lat} |")
     return "\n".join(rows)
 
 
@@ -334,6 +411,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
     p.add_argument("--seconds", type=float, default=20, help="seconds measured")
     p.add_argument("--tsubame", default="target/release/tsubame")
+    p.add_argument("--qemu", default="qemu-system-x86_64")
     p.add_argument("--out", default="results/far-memory")
     args = p.parse_args(argv)
     known = MIGRATE_CONFIGS if args.migrate else CONFIGS

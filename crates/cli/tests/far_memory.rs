@@ -256,9 +256,11 @@ fn a_failed_far_memory_migration_leaves_the_vm_evicting_here() {
     let (code, text, _) = migrate(&dir, &sock, &nowhere, &["--postcopy", "after=1"]);
     assert_ne!(code, Some(0), "{text}");
     assert!(text.contains("post-copy of a VM with far memory"), "{text}");
-    // Eviction goes on: residency stays under the limit while kv runs.
+    // Eviction goes on: pages go far again, and residency comes back under
+    // the limit (it may exceed it while the map was handed over).
     let evicted = far(&control(&sock, &json!({"cmd": "stats"})), "evicted_pages");
-    let stats = wait_stats(&sock, "eviction going on", 60, |s| far(s, "evicted_pages") > evicted + 4096);
-    assert!(far(&stats, "resident_pages") <= far(&stats, "local_limit_bytes") / 4096, "{stats}");
+    let stats = wait_stats(&sock, "eviction going on", 60, |s| {
+        far(s, "evicted_pages") > evicted + 4096 && far(s, "resident_pages") <= far(s, "local_limit_bytes") / 4096
+    });
     assert_eq!(stats["status"], "running", "{stats}");
 }

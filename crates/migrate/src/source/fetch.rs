@@ -3,9 +3,11 @@
 //! dirty bits are cleared in KVM right before its pages are read, so a
 //! write racing the read dirties the page again and nothing is missed.
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use tsubame_vmm::{memory, VmError, PAGE_SIZE};
+use vm_memory::bitmap::AtomicBitmap;
 use xxhash_rust::xxh3::xxh3_128;
 
 use super::vm::SourceVm;
@@ -22,10 +24,27 @@ pub struct Fetcher {
     zero_records: bool,
     /// `--zero-copy`: leave pages in guest memory; the sender splices them.
     by_reference: bool,
-    /// Far memory's map: a far page is not sent while it is not populated
-    /// here, or while it still equals its far copy (the destination reads
-    /// it from the memory host).
-    pub far: Option<Arc<FarPageHashes>>,
+    /// Far memory's map, and what of it was sent.
+    pub far: Option<Arc<FarFilter>>,
+}
+
+/// Far memory as the fetcher sees it. A page of the map is not sent while
+/// it is not populated here, nor while it was never sent and still equals
+/// its far copy: the destination reads it from the memory host. Once sent
+/// (it came back and changed), the destination holds it, so it goes again
+/// whenever it is dirty, even back to its far copy's contents.
+pub struct FarFilter {
+    map: Arc<FarPageHashes>,
+    sent: AtomicBitmap,
+}
+
+impl FarFilter {
+    /// Nothing sent yet.
+    pub fn new(map: Arc<FarPageHashes>) -> FarFilter {
+        let page = NonZeroUsize::new(PAGE_SIZE).expect("a page is bytes");
+        let sent = AtomicBitmap::new(map.far.pages() as usize * PAGE_SIZE, page);
+        FarFilter { map, sent }
+    }
 }
 
 impl Fetcher {
@@ -65,14 +84,17 @@ impl Fetcher {
                 let offset = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let index = first_page + offset as u64;
-                if let Some(far) = self.far.as_deref().filter(|f| f.far.get(index)) {
+                if let Some(far) = self.far.as_deref().filter(|f| f.map.far.get(index)) {
                     if !populated[offset] {
                         continue;
                     }
-                    let slot = batch.next_slot();
-                    memory::read_page(vm.memory(), index, slot)?;
-                    if xxh3_128(slot) == far.hashes[index as usize] {
-                        continue;
+                    if !far.sent.is_bit_set(index as usize) {
+                        let slot = batch.next_slot();
+                        memory::read_page(vm.memory(), index, slot)?;
+                        if xxh3_128(slot) == far.map.hashes[index as usize] {
+                            continue;
+                        }
+                        far.sent.set_bit(index as usize);
                     }
                 }
                 let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));

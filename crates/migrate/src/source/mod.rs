@@ -35,6 +35,7 @@ pub use vm::SourceVm;
 
 use self::encode::EncoderSetup;
 use self::engine::{Engine, EngineSetup};
+use self::fetch::FarFilter;
 use self::policy::PrecopyPolicy;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
@@ -103,6 +104,7 @@ fn migrate_with(
         warm_unsent: Vec::new(),
         far,
         far_map: None,
+        far_filter: None,
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -222,6 +224,8 @@ struct SourceRun<'a> {
     /// Its map, taken when the migration started: pages that live far are
     /// not sent (unless they come back and change).
     far_map: Option<(FarMemoryFrame, Arc<FarPageHashes>)>,
+    /// What the fetcher skips of it.
+    far_filter: Option<Arc<FarFilter>>,
 }
 
 impl SourceRun<'_> {
@@ -254,7 +258,9 @@ impl SourceRun<'_> {
             }
             let map = far.hand_over().map_err(|e| SourceError::FarMemory(e.to_string()))?;
             let frame = FarMemoryFrame { local_bytes: map.local_bytes, far_pages: map.far.count(), stores: map.stores };
-            self.far_map = Some((frame, Arc::new(FarPageHashes { far: map.far, hashes: map.hashes })));
+            let pages = Arc::new(FarPageHashes { far: map.far, hashes: map.hashes });
+            self.far_filter = Some(Arc::new(FarFilter::new(pages.clone())));
+            self.far_map = Some((frame, pages));
         }
         match vm.status() {
             VcpuStatus::Running => {}

@@ -149,7 +149,7 @@ impl SourceRun<'_> {
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
         let mut fetcher = Fetcher::new(layout.batch_pages as usize, self.options.codecs.zero, self.options.zero_copy);
-        fetcher.far = self.far_map.as_ref().map(|(_, far)| far.clone());
+        fetcher.far = self.far_filter.clone();
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
         let order: Vec<usize> =
