@@ -148,6 +148,12 @@ fn losing_every_memory_host_pauses_the_vm_with_a_clear_error() {
     let later = control(&sock, &json!({"cmd": "stats"}));
     assert_eq!(later["guest"]["ops"].as_u64(), ops, "the guest ran on: {later}");
     assert!(later["guest"]["error"].is_null(), "the guest saw bad memory: {later}");
+    // It cannot migrate either, and the failed attempt does not resume it.
+    let incoming = format!("unix:{}", dir.join("nobody.sock").display());
+    let (code, text, _) = migrate(&dir, &sock, &incoming, &[]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("far memory lost") && text.contains("stays paused"), "{text}");
+    assert_eq!(control(&sock, &json!({"cmd": "stats"}))["status"], "paused");
     control(&sock, &json!({"cmd": "quit"}));
     let out = std::mem::replace(&mut vm.0, Command::new("true").spawn().unwrap()).wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

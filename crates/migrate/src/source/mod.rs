@@ -146,7 +146,11 @@ fn migrate_with(
                     Some(far) => far.take_back(),
                     None => drop(vm.set_dirty_logging(false)),
                 }
-                if let Err(resume) = vm.resume() {
+                if far.is_some_and(|f| f.stats().error.is_some()) {
+                    // Its memory host is gone: far memory paused it, and a
+                    // resumed guest would only wait on a lost page.
+                    message.push_str("; the VM stays paused here (its far memory is lost)");
+                } else if let Err(resume) = vm.resume() {
                     message.push_str(&format!("; resuming the VM here failed too: {resume}"));
                 } else {
                     message.push_str("; the VM keeps running here");
