@@ -149,17 +149,11 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("received VM has a console"), echo);
     let host = RunningVm::new(Arc::new(vm), console, "received by migration".into());
-    if let Some(far) = incoming.far {
-        // The memory hosts are ours now: serve the far pages from them.
-        let far = far
-            .start(host.vm.clone())
-            .map_err(|e| anyhow::anyhow!("far memory: {e}: the VM cannot run without its far pages"))?;
-        host.set_far(far);
-        crate::run::watch_far_memory(&host);
-    }
     *control.host.lock().unwrap() = Some(host.clone());
-    if let Some(postcopy) = incoming.postcopy {
-        follow_postcopy(postcopy, host.clone());
+    match (incoming.postcopy, incoming.far) {
+        (Some(postcopy), far) => follow_postcopy(postcopy, host.clone(), far),
+        (None, Some(far)) => start_far_memory(&host, far)?,
+        (None, None) => {}
     }
     let end = host.wait(None)?;
     let progress = host.console.snapshot();
@@ -186,8 +180,13 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
 /// a thread of its own; if it cannot come, the VM cannot go on — this
 /// process says so and ends, and the VM with it (the source never runs
 /// its stale copy again).
-fn follow_postcopy(postcopy: tsubame_migrate::destination::PostcopyHandle, host: Arc<RunningVm>) {
+fn follow_postcopy(
+    postcopy: tsubame_migrate::destination::PostcopyHandle,
+    host: Arc<RunningVm>,
+    far: Option<tsubame_farmem::FarSetup>,
+) {
     host.set_arriving(true);
+    let page_faults = postcopy.page_faults();
     let ops = host.clone();
     postcopy.watch_guest(Box::new(move || ops.console.snapshot().ops));
     let _ = std::thread::Builder::new().name("postcopy-wait".into()).spawn(move || match postcopy.wait() {
@@ -201,12 +200,31 @@ fn follow_postcopy(postcopy: tsubame_migrate::destination::PostcopyHandle, host:
                 outcome.faults.latency_p99_us,
                 outcome.faults.latency_max_us
             );
+            if let Some(mut far) = far {
+                // Post-copy's fault thread is done: far memory serves the
+                // far pages (and keeps residency under the limit) from now on.
+                far.adopt(page_faults);
+                if let Err(e) = start_far_memory(&host, far) {
+                    eprintln!("tsubame: error: {e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Err(e) => {
             eprintln!("tsubame: error: {e}: the VM is lost — it ran here without all its memory, and the source's copy is stale");
             std::process::exit(1);
         }
     });
+}
+
+/// Starts the arrived VM's far memory: the memory hosts are ours now.
+fn start_far_memory(host: &Arc<RunningVm>, far: tsubame_farmem::FarSetup) -> anyhow::Result<()> {
+    let far = far
+        .start(host.vm.clone())
+        .map_err(|e| anyhow::anyhow!("far memory: {e}: the VM cannot run without its far pages"))?;
+    host.set_far(far);
+    crate::run::watch_far_memory(host);
+    Ok(())
 }
 
 /// `receive --memory-only`: one migration into plain memory.

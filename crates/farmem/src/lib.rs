@@ -115,6 +115,8 @@ pub struct FarStats {
 /// open (and, once [`FarSetup::register`] ran, guest memory is registered).
 pub struct FarSetup {
     config: FarConfig,
+    /// Guest memory's size.
+    bytes: u64,
     faults: Option<Arc<PageFaults>>,
     fault_stores: store::Stores,
     write_stores: store::Stores,
@@ -132,6 +134,19 @@ pub struct FarMemory {
     stop: Arc<AtomicBool>,
     wake: Arc<pager::Wake>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// Reads far pages for a fault thread that is not far memory's own (a
+/// post-copy destination's, while pages still arrive from the source).
+pub struct FarReader {
+    stores: store::Stores,
+}
+
+impl FarReader {
+    /// Reads page `page`'s far copy.
+    pub fn read_page(&mut self, page: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), FarError> {
+        self.stores.read(page * PAGE_SIZE as u64, buf)
+    }
 }
 
 /// What a migration hands the destination: the exports and which pages
@@ -195,7 +210,20 @@ impl FarSetup {
         ));
         let fault_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
         let write_stores = store::Stores::open(&config.stores, bytes, health.clone())?;
-        Ok(FarSetup { config, faults: None, fault_stores, write_stores, health, arrived: None })
+        Ok(FarSetup { config, bytes, faults: None, fault_stores, write_stores, health, arrived: None })
+    }
+
+    /// One more connection to each export, for a post-copy destination to
+    /// read far pages before far memory starts.
+    pub fn reader(&self) -> Result<FarReader, FarError> {
+        Ok(FarReader { stores: store::Stores::open(&self.config.stores, self.bytes, self.health.clone())? })
+    }
+
+    /// Takes over guest memory's registration for faults from whoever
+    /// served them so far (a post-copy destination), instead of
+    /// [`FarSetup::register`]; dirty logging must be on already.
+    pub fn adopt(&mut self, faults: Arc<PageFaults>) {
+        self.faults = Some(faults);
     }
 
     /// Registers guest memory for missing-page faults and turns dirty

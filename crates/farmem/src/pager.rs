@@ -26,6 +26,8 @@ const MAX_STRIDE: i64 = 16;
 const MAX_BATCH: u64 = 2048;
 /// Longest run written back in one request.
 const MAX_WRITE_RUN: usize = 256;
+/// Longest a fault waits for the evictor to make room.
+const ROOM_WAIT: Duration = Duration::from_millis(50);
 
 /// A batch being written back; faults on its pages are served from here.
 struct Batch {
@@ -258,6 +260,7 @@ impl FaultSide {
             seen.sort_unstable_by_key(|f| f.page);
             seen.dedup_by_key(|f| f.page);
             for fault in std::mem::take(&mut seen) {
+                self.wait_for_room();
                 if let Err(e) = self.serve(fault.page, &mut readahead, &mut buf) {
                     self.lose(e);
                     lost = true;
@@ -271,6 +274,27 @@ impl FaultSide {
             if over {
                 self.wake.notify();
             }
+        }
+    }
+
+    /// At the limit, gives the evictor a moment to make room before a page
+    /// comes back, so that residency stays under `--local-memory` even when
+    /// the evictor ran late. Bounded: a guest is never stalled for long on
+    /// it (and a migration holding the map suspends the limit).
+    fn wait_for_room(&self) {
+        let deadline = Instant::now() + ROOM_WAIT;
+        loop {
+            {
+                let state = self.state.lock().unwrap();
+                if state.handed_over || state.stats.error.is_some() || state.resident_count < state.limit {
+                    return;
+                }
+            }
+            if Instant::now() > deadline || self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            self.wake.notify();
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 
@@ -311,6 +335,9 @@ impl FaultSide {
         }
         // The faulting page, then the run that follows it.
         let (stride, window) = readahead.plan(page);
+        // Read-ahead never takes residency past the limit.
+        let room = if state.handed_over { window } else { state.limit.saturating_sub(state.resident_count + 1) };
+        let window = window.min(room);
         let follows = |state: &State, p: u64| {
             p < state.resident.pages()
                 && state.on_far.get(p)

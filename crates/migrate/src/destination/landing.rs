@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tsubame_block::{BlockCache, DiskSpec};
-use tsubame_farmem::{FarMap, FarSetup};
+use tsubame_farmem::{FarMap, FarReader, FarSetup};
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
@@ -41,6 +41,11 @@ pub trait Landing {
     /// hosts): attach to them. Plain memory ignores it, as it ignores disks.
     fn far_memory(&mut self, _map: FarMap) -> Result<(), ReceiveError> {
         Ok(())
+    }
+    /// A reader of the far pages for post-copy's fault thread (none in
+    /// plain memory, which has no far memory attached).
+    fn far_reader(&mut self) -> Result<Option<FarReader>, ReceiveError> {
+        Ok(None)
     }
 }
 
@@ -98,7 +103,21 @@ impl Landing for VmLanding {
     }
 
     fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
-        Ok(self.vm.as_mut().expect("created first").start(false)?)
+        let vm = self.vm.as_mut().expect("created first");
+        if self.far.is_some() {
+            // Before the vCPU runs: far memory reads the log once it takes
+            // over, and a memory-slot change then would wait for a vCPU
+            // that may be waiting on a far page.
+            vm.set_dirty_logging(true)?;
+        }
+        Ok(vm.start(false)?)
+    }
+
+    fn far_reader(&mut self) -> Result<Option<FarReader>, ReceiveError> {
+        match &self.far {
+            Some(far) => Ok(Some(far.reader().map_err(|e| ReceiveError::FarMemory(e.to_string()))?)),
+            None => Ok(None),
+        }
     }
 }
 

@@ -22,13 +22,14 @@ use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 
 use super::error::ReceiveError;
-use crate::digest::{page_hash, region_hashes, zero_page_hash};
+use crate::digest::{page_hash, region_hashes, zero_page_hash, FarPageHashes};
 use crate::protocol::pages::{for_each_record, Encoding};
 use crate::protocol::{
     self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, ReceiverState, Resume, ResumeAck, WireError,
 };
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Security, Stream};
+use tsubame_farmem::FarReader;
 
 /// A channel back to the source, shared by the receiver and the fault
 /// thread.
@@ -54,7 +55,11 @@ type GuestOps = (Box<dyn Fn() -> u64 + Send + Sync>, u64, Instant);
 
 /// What the post-copy threads share.
 pub(super) struct PostcopyShared {
-    faults: PageFaults,
+    faults: Arc<PageFaults>,
+    /// A VM with far memory: its far pages, read from the memory host when
+    /// touched. Memory stays registered once every page is here: far
+    /// memory takes the registration over.
+    far: Option<(Mutex<FarReader>, Arc<FarPageHashes>)>,
     mem: Arc<GuestMemory>,
     pages: u64,
     /// Pages still missing here.
@@ -90,6 +95,7 @@ impl PostcopyShared {
         held_hashes: Vec<u64>,
         back: BackChannel,
         timeout: Duration,
+        far: Option<(FarReader, Arc<FarPageHashes>)>,
     ) -> Result<Arc<PostcopyShared>, ReceiveError> {
         let faults = PageFaults::register(&mem).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
         faults.discard_set(missing).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
@@ -99,7 +105,8 @@ impl PostcopyShared {
             marks.set_bit(p as usize);
         }
         Ok(Arc::new(PostcopyShared {
-            faults,
+            faults: Arc::new(faults),
+            far: far.map(|(reader, map)| (Mutex::new(reader), map)),
             mem,
             pages,
             missing: marks,
@@ -152,9 +159,12 @@ impl PostcopyShared {
                 if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
                     // Every page is here: faults are the kernel's again (a
                     // page never populated reads as zeros), and huge pages
-                    // may back memory from now on.
-                    let _ = self.faults.unregister();
-                    memory::advise_hugepages(&self.mem);
+                    // may back memory from now on. Not with far memory,
+                    // which takes the registration over.
+                    if self.far.is_none() {
+                        let _ = self.faults.unregister();
+                        memory::advise_hugepages(&self.mem);
+                    }
                     self.settle();
                 }
             }
@@ -199,10 +209,9 @@ impl PostcopyShared {
                         if requested.insert(fault.page) {
                             ask.push(fault.page);
                         }
-                    } else if let Err(e) = self.faults.install_zero(fault.page) {
-                        // Never populated, never missing: a zero page.
+                    } else if let Err(e) = self.install_not_missing(fault.page) {
                         drop(requested);
-                        self.fail(format!("installing a zero page: {e}"));
+                        self.fail(e);
                         return;
                     }
                 }
@@ -213,6 +222,19 @@ impl PostcopyShared {
                 let _ = self.ask(&ask);
             }
             ask.clear();
+        }
+    }
+
+    /// Installs a page the source does not send: its far copy for a far
+    /// page, else zeros (never populated, never missing).
+    fn install_not_missing(&self, page: u64) -> Result<(), String> {
+        match &self.far {
+            Some((reader, map)) if map.far.get(page) => {
+                let mut data = [0u8; PAGE_SIZE];
+                reader.lock().unwrap().read_page(page, &mut data).map_err(|e| e.to_string())?;
+                self.faults.install(page, &data).map(drop).map_err(|e| format!("installing a far page: {e}"))
+            }
+            _ => self.faults.install_zero(page).map(drop).map_err(|e| format!("installing a zero page: {e}")),
         }
     }
 
@@ -264,6 +286,12 @@ impl std::fmt::Debug for PostcopyHandle {
 }
 
 impl PostcopyHandle {
+    /// Guest memory's registration for faults: with far memory, it takes
+    /// it over once the phase is done (until then faults wait).
+    pub fn page_faults(&self) -> Arc<PageFaults> {
+        self.shared.faults.clone()
+    }
+
     /// Lets the phase measure the guest's progress (its ops counter).
     pub fn watch_guest(&self, ops: Box<dyn Fn() -> u64 + Send + Sync>) {
         let now = ops();

@@ -142,7 +142,7 @@ impl<'a> StreamReceiver<'a> {
         // Post-copy starts from the hash of every page held now.
         let held = matches!(result, Ok(MemoryEnd::Postcopy(_))).then(|| digest.page_hashes());
         drop(digest);
-        let Session { mem, shared, main, readers, mut workers, urgent, .. } = session;
+        let Session { mem, shared, main, readers, mut workers, urgent, far } = session;
         shared.done.store(true, Ordering::Release);
         drop(main);
         if readers.is_empty() {
@@ -190,7 +190,12 @@ impl<'a> StreamReceiver<'a> {
                 let state = std::mem::take(&mut self.frame.buf);
                 let held = held.expect("hashed for post-copy");
                 let timeout = Duration::from_millis(start.timeout_ms as u64);
-                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout)?;
+                // Far pages fault in from the memory host, not the source.
+                let far = match (landing.far_reader()?, far) {
+                    (Some(reader), Some(map)) => Some((reader, map)),
+                    _ => None,
+                };
+                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout, far)?;
                 let _ = shared.postcopy.set(postcopy.clone());
                 let disk_cache = self.finish_warm();
                 landing.restore(&state, disk_cache)?;
@@ -260,9 +265,6 @@ impl<'a> StreamReceiver<'a> {
                 "the source wants {} connections; this receiver takes one",
                 hello.extra_connections() + 1
             )));
-        }
-        if hello.far_memory() && hello.postcopy() {
-            return Err(ReceiveError::Mismatch("post-copy of a VM with far memory is not supported".into()));
         }
         let mem = landing.create(hello.memory_bytes)?;
         write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Accept, &[]))?;

@@ -6,7 +6,7 @@
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use tsubame_vmm::{memory, VmError, PAGE_SIZE};
+use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, VmError, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -44,6 +44,43 @@ impl FarFilter {
         let page = NonZeroUsize::new(PAGE_SIZE).expect("a page is bytes");
         let sent = AtomicBitmap::new(map.far.pages() as usize * PAGE_SIZE, page);
         FarFilter { map, sent }
+    }
+
+    /// True when mapped page `index` is still what the destination will
+    /// read from the memory host: not populated here, or never sent and
+    /// equal to its far copy (read into `scratch` to tell).
+    fn still_far(
+        &self,
+        memory: &GuestMemory,
+        index: u64,
+        populated: bool,
+        scratch: &mut [u8; PAGE_SIZE],
+    ) -> Result<bool, VmError> {
+        if !populated {
+            return Ok(true);
+        }
+        if self.sent.is_bit_set(index as usize) {
+            return Ok(false);
+        }
+        memory::read_page(memory, index, scratch)?;
+        Ok(xxh3_128(scratch) == self.map.hashes[index as usize])
+    }
+
+    /// Takes out of `pages` those the destination reads from the memory
+    /// host (post-copy's missing set: they are not the source's to send).
+    pub fn remove_still_far(&self, memory: &GuestMemory, pages: &mut DirtyBitmap) -> Result<(), VmError> {
+        let mut populated = vec![true; pages.pages() as usize];
+        if memory::Pagemap::open().map_or(true, |p| p.populated(memory, 0, &mut populated).is_err()) {
+            populated.fill(true);
+        }
+        let mut scratch = [0u8; PAGE_SIZE];
+        let mapped: Vec<u64> = pages.iter().filter(|&p| self.map.far.get(p)).collect();
+        for page in mapped {
+            if self.still_far(memory, page, populated[page as usize], &mut scratch)? {
+                pages.unset(page);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -85,17 +122,10 @@ impl Fetcher {
                 bits &= bits - 1;
                 let index = first_page + offset as u64;
                 if let Some(far) = self.far.as_deref().filter(|f| f.map.far.get(index)) {
-                    if !populated[offset] {
+                    if far.still_far(vm.memory(), index, populated[offset], batch.next_slot())? {
                         continue;
                     }
-                    if !far.sent.is_bit_set(index as usize) {
-                        let slot = batch.next_slot();
-                        memory::read_page(vm.memory(), index, slot)?;
-                        if xxh3_128(slot) == far.map.hashes[index as usize] {
-                            continue;
-                        }
-                        far.sent.set_bit(index as usize);
-                    }
+                    far.sent.set_bit(index as usize);
                 }
                 let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
                 if backed && !batch.by_reference {

@@ -255,11 +255,6 @@ impl SourceRun<'_> {
         // First: its eviction stops the vCPU for moments, and stops no more
         // once the map is handed over.
         if let Some(far) = self.far {
-            if options.postcopy != PostcopyMode::Off {
-                return Err(SourceError::BadOptions(
-                    "post-copy of a VM with far memory is not built yet: migrate it with --postcopy off".into(),
-                ));
-            }
             let map = far.hand_over().map_err(|e| SourceError::FarMemory(e.to_string()))?;
             let frame = FarMemoryFrame { local_bytes: map.local_bytes, far_pages: map.far.count(), stores: map.stores };
             let pages = Arc::new(FarPageHashes { far: map.far, hashes: map.hashes });
