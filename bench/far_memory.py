@@ -327,7 +327,7 @@ def migrate_one(args, config, workload, work):
         r["far_pages_before"] = (before.get("far_memory") or {}).get("far_pages", 0)
         json_path = os.path.join(work, "migration.json")
         out = subprocess.run([args.tsubame, "migrate", "--control", sock, "--to", f"unix:{incoming}",
-                              "--max-bandwidth", args.link, "--json", json_path],
+                              "--max-bandwidth", args.link, "--json", json_path, "--postcopy", args.postcopy],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
         if out.returncode != 0:
             r["failed"] = out.stdout.strip()[-300:]
@@ -335,7 +335,7 @@ def migrate_one(args, config, workload, work):
         with open(json_path) as f:
             stats = json.load(f)
         r.update({k: stats.get(k) for k in ("status", "total_time_ms", "downtime_ms", "bytes_on_wire",
-                                            "digest_verified", "iterations", "pages_sent")})
+                                            "digest_verified", "iterations", "pages_sent", "postcopy")})
         ops0 = guest_ops(dest_sock)
         time.sleep(3)
         ops1 = guest_ops(dest_sock)
@@ -408,6 +408,7 @@ def main(argv=None):
     p.add_argument("--migrate", action="store_true", help="measure migrations instead of ops/s")
     p.add_argument("--link", default="1Gbit", help="the migration's rate with --migrate")
     p.add_argument("--rate", help="with --migrate: the guest's write cap in MB/s (workload-arg rate=)")
+    p.add_argument("--postcopy", default="off", help="with --migrate: `migrate --postcopy` (off, auto, after=N)")
     p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
     p.add_argument("--seconds", type=float, default=20, help="seconds measured")
     p.add_argument("--tsubame", default="target/release/tsubame")
