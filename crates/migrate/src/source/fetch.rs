@@ -66,17 +66,22 @@ impl FarFilter {
         Ok(xxh3_128(scratch) == self.map.hashes[index as usize])
     }
 
-    /// Takes out of `pages` those the destination reads from the memory
-    /// host (post-copy's missing set: they are not the source's to send).
-    pub fn remove_still_far(&self, memory: &GuestMemory, pages: &mut DirtyBitmap) -> Result<(), VmError> {
+    /// Takes out of post-copy's missing set the pages that are not the
+    /// source's to send: those the destination reads from the memory host,
+    /// and those never populated here (zeros: the destination's fresh
+    /// memory holds them already, and a zero record would make it populate
+    /// and then evict them).
+    pub fn remove_unneeded(&self, memory: &GuestMemory, pages: &mut DirtyBitmap) -> Result<(), VmError> {
         let mut populated = vec![true; pages.pages() as usize];
         if memory::Pagemap::open().map_or(true, |p| p.populated(memory, 0, &mut populated).is_err()) {
             populated.fill(true);
         }
         let mut scratch = [0u8; PAGE_SIZE];
-        let mapped: Vec<u64> = pages.iter().filter(|&p| self.map.far.get(p)).collect();
-        for page in mapped {
-            if self.still_far(memory, page, populated[page as usize], &mut scratch)? {
+        let listed: Vec<u64> = pages.iter().collect();
+        for page in listed {
+            let populated = populated[page as usize];
+            let mapped = self.map.far.get(page);
+            if !populated || (mapped && self.still_far(memory, page, populated, &mut scratch)?) {
                 pages.unset(page);
             }
         }

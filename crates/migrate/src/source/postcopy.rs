@@ -158,8 +158,7 @@ impl SourceRun<'_> {
         vm.dirty_log(&mut fresh)?;
         missing.union_with(&fresh);
         if let Some(far) = &self.far_filter {
-            // The destination reads those from the memory host.
-            far.remove_still_far(vm.memory(), &mut missing)?;
+            far.remove_unneeded(vm.memory(), &mut missing)?;
         }
         // Every page that may differ from its last hash; hashed while the
         // destination already runs (this memory no longer changes).
