@@ -113,3 +113,66 @@ fn record_seed() {
     std::fs::write(path, &recorded).unwrap();
     println!("recorded {} bytes into {path}", recorded.len());
 }
+
+/// The start of a far-memory VM's stream (HELLO with the far-memory flag,
+/// FAR_MEMORY, FAR_PAGES, one page, ITERATION_END) into plain memory: the
+/// map is parsed and checked (plain memory attaches no exports), and the
+/// cut stream fails without landing a VM. Also the receiver fuzz target's
+/// far-memory seed (`TSUBAME_RECORD_SEED=1` writes it).
+#[test]
+fn a_far_memory_stream_is_parsed_and_a_cut_one_never_lands() {
+    use tsubame_migrate::protocol::far::{FarMemory, FarPages};
+    use tsubame_migrate::protocol::{self, FrameKind, Hello, IterationEnd, HELLO_FAR_MEMORY};
+    let pages = (8u64 << 20) / 4096;
+    let mut far = tsubame_vmm::DirtyBitmap::new(pages);
+    [3, 64, 65, pages - 1].into_iter().for_each(|p| far.set(p));
+    let hashes: Vec<u128> = (0..pages as u128).map(|p| p * 0x9e37_79b9).collect();
+    let hello = Hello {
+        memory_bytes: 8 << 20,
+        page_size: 4096,
+        vcpus: 1,
+        digest_region: 256 << 10,
+        granularity: 4096,
+        codecs: "zero".into(),
+        session: 7,
+        channels: 1,
+        shards: 1,
+        flags: HELLO_FAR_MEMORY,
+    };
+    let mut stream = Vec::new();
+    protocol::write_preamble(&mut stream, protocol::VERSION).unwrap();
+    protocol::write_frame(&mut stream, FrameKind::Hello, &hello.encode()).unwrap();
+    let setup = FarMemory { local_bytes: 4 << 20, far_pages: 4, stores: vec!["nbd://127.0.0.1:1/x".into()] };
+    protocol::write_frame(&mut stream, FrameKind::FarMemory, &setup.encode()).unwrap();
+    for run in FarPages::split(&far, &hashes) {
+        protocol::write_frame(&mut stream, FrameKind::FarPages, &run.encode()).unwrap();
+    }
+    let mut pages_frame = tsubame_migrate::protocol::pages::PagesBuilder::new(16);
+    pages_frame.reset(0, 0);
+    pages_frame.push(5, tsubame_migrate::protocol::pages::Encoding::Raw, &[0x5a; 4096]);
+    protocol::write_frame(&mut stream, FrameKind::Pages, pages_frame.payload()).unwrap();
+    let end = IterationEnd { iteration: 0, records: 1 };
+    protocol::write_frame(&mut stream, FrameKind::IterationEnd, &end.encode()).unwrap();
+    if std::env::var_os("TSUBAME_RECORD_SEED").is_some() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/receiver/far-memory-start");
+        std::fs::write(path, &stream).unwrap();
+    }
+    // Cut after the map: the receiver got past it to the pages.
+    let (result, landing) = land(&stream);
+    let err = result.unwrap_err();
+    assert!(!landing.started);
+    assert!(!err.contains("far"), "the map was refused: {err}");
+    // A map that names more pages than it carries is refused by name.
+    let mut short = Vec::new();
+    protocol::write_preamble(&mut short, protocol::VERSION).unwrap();
+    protocol::write_frame(&mut short, FrameKind::Hello, &hello.encode()).unwrap();
+    let lying = FarMemory { far_pages: 5, ..setup };
+    protocol::write_frame(&mut short, FrameKind::FarMemory, &lying.encode()).unwrap();
+    for run in FarPages::split(&far, &hashes) {
+        protocol::write_frame(&mut short, FrameKind::FarPages, &run.encode()).unwrap();
+    }
+    protocol::write_frame(&mut short, FrameKind::IterationEnd, &end.encode()).unwrap();
+    let (result, landing) = land(&short);
+    assert!(!landing.started);
+    assert!(result.unwrap_err().contains("FAR_PAGES"));
+}
