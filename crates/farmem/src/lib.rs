@@ -143,9 +143,11 @@ pub struct FarReader {
 }
 
 impl FarReader {
-    /// Reads page `page`'s far copy.
-    pub fn read_page(&mut self, page: u64, buf: &mut [u8; PAGE_SIZE]) -> Result<(), FarError> {
-        self.stores.read(page * PAGE_SIZE as u64, buf)
+    /// Reads page `page`'s far copy, which must hash (xxh3-128) to `hash`,
+    /// what it was when it went away.
+    pub fn read_page(&mut self, page: u64, hash: u128, buf: &mut [u8; PAGE_SIZE]) -> Result<(), FarError> {
+        let check = |bytes: &[u8]| xxhash_rust::xxh3::xxh3_128(bytes) == hash;
+        self.stores.read_checked(page * PAGE_SIZE as u64, buf, &check)
     }
 }
 

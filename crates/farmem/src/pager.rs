@@ -353,13 +353,18 @@ impl FaultSide {
             more.push(p as u64);
         }
         let count = 1 + more.len();
+        // Every page read back must hash to what it was when it went away.
+        let matches = |first: u64, bytes: &[u8]| {
+            bytes.chunks(PAGE_SIZE).enumerate().all(|(i, p)| xxh3_128(p) == state.far_hash[first as usize + i])
+        };
         if stride == 1 {
-            self.stores.read(page * PAGE_SIZE as u64, &mut buf[..count * PAGE_SIZE])?;
+            let check = |bytes: &[u8]| matches(page, bytes);
+            self.stores.read_checked(page * PAGE_SIZE as u64, &mut buf[..count * PAGE_SIZE], &check)?;
         } else {
-            self.stores.read(page * PAGE_SIZE as u64, &mut buf[..PAGE_SIZE])?;
+            self.stores.read_checked(page * PAGE_SIZE as u64, &mut buf[..PAGE_SIZE], &|b| matches(page, b))?;
             for (i, &p) in more.iter().enumerate() {
                 let at = (i + 1) * PAGE_SIZE;
-                self.stores.read(p * PAGE_SIZE as u64, &mut buf[at..at + PAGE_SIZE])?;
+                self.stores.read_checked(p * PAGE_SIZE as u64, &mut buf[at..at + PAGE_SIZE], &|b| matches(p, b))?;
             }
         }
         state.stats.bytes_read += (count * PAGE_SIZE) as u64;

@@ -66,14 +66,23 @@ impl Stores {
         FarError::Lost(why.join("; "))
     }
 
-    /// Reads `buf` from `offset` of the first live export.
-    pub(crate) fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), FarError> {
+    /// Reads `buf` from `offset` of the first live export whose bytes pass
+    /// `check` (each far page against the hash taken when it went away): an
+    /// export that returns something else is dropped like a failed one, and
+    /// the next is read.
+    pub(crate) fn read_checked(
+        &mut self,
+        offset: u64,
+        buf: &mut [u8],
+        check: &dyn Fn(&[u8]) -> bool,
+    ) -> Result<(), FarError> {
         for i in 0..self.conns.len() {
             if !self.alive(i) {
                 continue;
             }
             match self.conns[i].read_at(offset, buf) {
-                Ok(()) => return Ok(()),
+                Ok(()) if check(buf) => return Ok(()),
+                Ok(()) => self.fail(i, "it returned a page that differs from what was written there".into()),
                 Err(e) => self.fail(i, e.to_string()),
             }
         }

@@ -231,7 +231,8 @@ impl PostcopyShared {
         match &self.far {
             Some((reader, map)) if map.far.get(page) => {
                 let mut data = [0u8; PAGE_SIZE];
-                reader.lock().unwrap().read_page(page, &mut data).map_err(|e| e.to_string())?;
+                let hash = map.hashes[page as usize];
+                reader.lock().unwrap().read_page(page, hash, &mut data).map_err(|e| e.to_string())?;
                 self.faults.install(page, &data).map(drop).map_err(|e| format!("installing a far page: {e}"))
             }
             _ => self.faults.install_zero(page).map(drop).map_err(|e| format!("installing a zero page: {e}")),
