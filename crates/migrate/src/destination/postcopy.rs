@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use crossbeam_channel::{Receiver, Sender};
 use std::time::{Duration, Instant};
 
+use tsubame_farmem::FarReader;
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::uffd::{FaultStats, Installed, PageFaults};
 use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
@@ -29,7 +30,6 @@ use crate::protocol::{
 };
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Security, Stream};
-use tsubame_farmem::FarReader;
 
 /// A channel back to the source, shared by the receiver and the fault
 /// thread.

@@ -20,12 +20,10 @@ pub mod vm;
 mod warm;
 pub mod zerocopy;
 
-use std::io::BufWriter;
+use std::io::{BufWriter, Write};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use std::io::Write;
 
 use tsubame_farmem::FarMemory;
 use tsubame_vmm::{memory, DirtyBitmap, VcpuStatus, Vm, PAGE_SIZE};
