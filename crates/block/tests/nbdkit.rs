@@ -2,6 +2,7 @@
 //! installed (`apt-get install nbdkit`; `.ci/run` does): without it these
 //! tests fail rather than skip, so CI cannot pass by not running them.
 
+use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -32,11 +33,14 @@ impl Nbdkit {
             });
         let mut server = Nbdkit { child, port };
         let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        // Ready once nbdkit greets: a bare TCP connect succeeded while it
+        // was still starting, and the test's first client was then reset
+        // (CI saw it twice).
+        while !greets(port) {
             if let Some(status) = server.child.try_wait().unwrap() {
                 panic!("nbdkit {args:?} exited: {status}");
             }
-            assert!(start.elapsed() < TIMEOUT, "nbdkit did not listen on port {port}");
+            assert!(start.elapsed() < TIMEOUT, "nbdkit did not serve on port {port}");
             std::thread::sleep(Duration::from_millis(20));
         }
         server
@@ -52,6 +56,14 @@ impl Drop for Nbdkit {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// True when a server on `port` sends the NBD greeting.
+fn greets(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut magic = [0u8; 8];
+    stream.read_exact(&mut magic).is_ok() && &magic == b"NBDMAGIC"
 }
 
 /// A port for one nbdkit of this process. Not "bind port 0 and let go":
