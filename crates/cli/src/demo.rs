@@ -12,7 +12,7 @@ use tsubame_migrate::{source, Address, ProgressCell};
 
 use crate::console::{ConsoleFollower, Echo};
 use crate::control::ControlClient;
-use crate::far_args::FarArgs;
+use crate::far_args::{BootedVm, FarArgs};
 use crate::migrate_cmd::{print_summary, progress_bar, progress_message, write_json, MigrateFlags};
 use crate::run::{far_error, far_summary, VmArgs};
 use crate::usage_error;
@@ -103,18 +103,8 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     };
 
     let memory = args.vm.memory_bytes()?;
-    let far_config = args.far.config(memory)?;
-    let mut vm_args = args.vm.clone();
-    if far_config.is_some() {
-        // Far memory moves 4 KiB pages: no huge pages to split.
-        vm_args.no_hugepages = true;
-    }
-    let mut vm = vm_args.boot()?;
-    // With `auto`, the memory host is ours: it lives until the demo ends.
-    let (far_setup, _memory_host) = match far_config {
-        Some((config, host)) => (Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?), host),
-        None => (None, None),
-    };
+    // `_memory_host` lives until the demo ends: with `auto` it is ours.
+    let BootedVm { mut vm, far: far_setup, memory_host: _memory_host } = args.far.boot(&args.vm)?;
     let log = dir.join("destination.log");
     let child = Command::new(std::env::current_exe()?)
         .args(["receive", "--once", "--quiet", "--listen", &to.to_string()])

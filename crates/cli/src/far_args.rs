@@ -6,8 +6,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use tsubame_farmem::FarConfig;
+use tsubame_farmem::{FarConfig, FarSetup};
+use tsubame_vmm::Vm;
 
+use crate::run::{far_error, VmArgs};
 use crate::units::parse_size;
 use crate::usage_error;
 
@@ -79,10 +81,38 @@ impl AutoMemoryHost {
     }
 }
 
+/// A booted VM, not started yet, with far memory prepared when asked for.
+pub struct BootedVm {
+    /// The VM.
+    pub vm: Vm,
+    /// Far memory, registered with the VM's memory: start it once the VM
+    /// runs.
+    pub far: Option<FarSetup>,
+    /// With `--far-memory auto`, the memory host: it must live as long as
+    /// the VM.
+    pub memory_host: Option<AutoMemoryHost>,
+}
+
 impl FarArgs {
+    /// Boots `vm_args` (without huge pages when far memory moves its
+    /// 4 KiB pages) and prepares far memory for it.
+    pub fn boot(&self, vm_args: &VmArgs) -> anyhow::Result<BootedVm> {
+        let far_config = self.config(vm_args.memory_bytes()?)?;
+        let mut vm_args = vm_args.clone();
+        if far_config.is_some() {
+            vm_args.no_hugepages = true;
+        }
+        let vm = vm_args.boot()?;
+        let (far, memory_host) = match far_config {
+            Some((config, host)) => (Some(FarSetup::prepare(&vm, config).map_err(far_error)?), host),
+            None => (None, None),
+        };
+        Ok(BootedVm { vm, far, memory_host })
+    }
+
     /// Far memory's configuration, when asked for, for guest memory of
     /// `memory_bytes`; with `auto`, the memory host started for it.
-    pub fn config(&self, memory_bytes: u64) -> anyhow::Result<Option<(FarConfig, Option<AutoMemoryHost>)>> {
+    fn config(&self, memory_bytes: u64) -> anyhow::Result<Option<(FarConfig, Option<AutoMemoryHost>)>> {
         let Some(local) = &self.local_memory else { return Ok(None) };
         let local_bytes = parse_size(local).map_err(|e| usage_error(format!("--local-memory: {e}")))?;
         let mut auto = None;

@@ -9,7 +9,7 @@ use tsubame_vmm::{guest_elf, Vm, VmConfig};
 
 use crate::console::{ConsoleFollower, Echo};
 use crate::control::{ControlHandler, ControlServer};
-use crate::far_args::FarArgs;
+use crate::far_args::{BootedVm, FarArgs};
 use crate::running_vm::{RunningVm, VmEnd};
 use crate::units::{format_bytes, parse_size};
 use crate::usage_error;
@@ -140,18 +140,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.seconds.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
         return Err(usage_error("--seconds must be a positive number"));
     }
-    let far_config = args.far.config(args.vm.memory_bytes()?)?;
-    let mut vm_args = args.vm.clone();
-    if far_config.is_some() {
-        // Far memory moves 4 KiB pages: no huge pages to split.
-        vm_args.no_hugepages = true;
-    }
-    let mut vm = vm_args.boot()?;
-    // Lives as long as the VM: with `auto`, the memory host is ours.
-    let (far, _memory_host) = match far_config {
-        Some((config, host)) => (Some(tsubame_farmem::FarSetup::prepare(&vm, config).map_err(far_error)?), host),
-        None => (None, None),
-    };
+    // `_memory_host` lives as long as the VM: with `auto` it is ours.
+    let BootedVm { mut vm, far, memory_host: _memory_host } = args.far.boot(&args.vm)?;
     let echo = Echo::from_flags(args.quiet, args.verbose);
     let console = ConsoleFollower::start(vm.take_console().expect("fresh VM has a console"), echo);
     vm.start(false)?;
