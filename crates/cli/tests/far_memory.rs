@@ -220,19 +220,7 @@ fn bad_far_memory_options_are_one_line_errors() {
 /// `tsubame migrate` of the VM at `source` to `incoming`: its exit code,
 /// its output and the statistics JSON.
 fn migrate(dir: &Path, source: &Path, incoming: &str, extra: &[&str]) -> (Option<i32>, String, Value) {
-    let json_path = dir.join("stats.json");
-    let _ = std::fs::remove_file(&json_path);
-    let out = tsubame()
-        .args(["migrate", "--control"])
-        .arg(source)
-        .args(["--to", incoming, "--json"])
-        .arg(&json_path)
-        .args(extra)
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let stats = std::fs::read_to_string(&json_path).ok().and_then(|t| serde_json::from_str(&t).ok());
-    (out.status.code(), text, stats.unwrap_or(Value::Null))
+    common::migrate_via(source, incoming, &dir.join("stats.json"), extra)
 }
 
 #[test]

@@ -58,20 +58,8 @@ impl Pair {
 
     /// Runs `tsubame migrate`; returns its exit code, stdout+stderr, JSON.
     fn migrate(&self, to: &str, extra: &[&str]) -> (i32, String, Value) {
-        let json_path = self.dir.join("stats.json");
-        let out = tsubame()
-            .arg("migrate")
-            .arg("--control")
-            .arg(self.source_control())
-            .args(["--to", to, "--json"])
-            .arg(&json_path)
-            .args(extra)
-            .output()
-            .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        let stats =
-            std::fs::read_to_string(&json_path).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or(Value::Null);
-        (out.status.code().unwrap_or(-1), text, stats)
+        let (code, text, stats) = common::migrate_via(&self.source_control(), to, &self.dir.join("stats.json"), extra);
+        (code.unwrap_or(-1), text, stats)
     }
 
     /// The source VM runs and its guest makes progress.

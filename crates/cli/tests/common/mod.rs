@@ -133,3 +133,26 @@ pub fn spawn_receive(listen: &std::path::Path, control: Option<&std::path::Path>
     }
     Proc(command.stdout(std::process::Stdio::null()).stderr(stderr).spawn().unwrap())
 }
+
+/// `tsubame migrate --control CONTROL --to TO --json JSON EXTRA...`: its
+/// exit code, its stdout and stderr, and the statistics it wrote to `json`
+/// (Null when it wrote none).
+pub fn migrate_via(
+    control: &std::path::Path,
+    to: &str,
+    json: &std::path::Path,
+    extra: &[&str],
+) -> (Option<i32>, String, serde_json::Value) {
+    let _ = std::fs::remove_file(json);
+    let out = tsubame()
+        .args(["migrate", "--control"])
+        .arg(control)
+        .args(["--to", to, "--json"])
+        .arg(json)
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let stats = std::fs::read_to_string(json).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or_default();
+    (out.status.code(), text, stats)
+}
