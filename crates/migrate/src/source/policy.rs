@@ -129,8 +129,17 @@ impl PrecopyPolicy {
 
 /// How long a page must have been out before its re-dirtying counts.
 const EXPOSURE: Duration = Duration::from_secs(1);
+/// A shorter look, for a guest that dirties memory much faster than the
+/// link carries it: such a guest shows it within a quarter second, and
+/// every second more of pre-copy only sends pages it rewrites.
+const SHORT_EXPOSURE: Duration = Duration::from_millis(250);
+/// Dirtying at this share of the link's rate or more, seen over the short
+/// look, hands over at once. A guest that rewrites a small hot set looks
+/// fast over a short look and slower over a long one (its rewrites of the
+/// same pages stop counting), so the short look asks for a wide margin.
+const FAR_FROM_CONVERGING: f64 = 2.0;
 /// How often a long first iteration checks the guest's dirtying.
-const CHECK_EVERY: Duration = Duration::from_millis(250);
+const CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// Watches a first iteration that sends memory in a strided order (so the
 /// pages out so far sample all of memory evenly) for a guest that dirties
@@ -156,9 +165,11 @@ impl HandoverWatch {
 
     /// True when the pages out for about [`EXPOSURE`] show the guest
     /// dirtying memory at [`NOT_CONVERGING`] of `link` bytes per second or
-    /// more. `dirty` is a fresh look at the dirty log (KVM's bits stay set
-    /// until cleared, so it shows what was written since each run went
-    /// out); `peek` fills it and returns false when it cannot look.
+    /// more, or those out for about [`SHORT_EXPOSURE`] show it at
+    /// [`FAR_FROM_CONVERGING`] of it. `dirty` is a fresh look at the dirty
+    /// log (KVM's bits stay set until cleared, so it shows what was written
+    /// since each run went out); `peek` fills it and returns false when it
+    /// cannot look.
     pub fn handover(
         &mut self,
         link: f64,
@@ -171,24 +182,35 @@ impl HandoverWatch {
             return false;
         }
         self.last_check = now;
-        // Runs out between one and two exposures ago (all older ones if
-        // those are too few to sample memory).
-        let window: Vec<_> = self.sent.iter().filter(|(at, ..)| now - *at >= EXPOSURE).collect();
-        let recent: Vec<_> = window.iter().filter(|(at, ..)| now - *at < 2 * EXPOSURE).copied().collect();
-        let sample = if recent.len() >= 8 { recent } else { window };
-        if sample.len() < 4 || !peek(dirty) {
+        let long = self.sample(now, EXPOSURE);
+        let short = self.sample(now, SHORT_EXPOSURE);
+        if short.len() < 4 || !peek(dirty) {
             return false;
         }
-        let (mut pages, mut dirtied, mut exposure) = (0u64, 0u64, 0.0);
-        for &&(at, first, n) in &sample {
-            pages += n;
-            dirtied += (first..first + n).filter(|&p| dirty.get(p)).count() as u64;
-            exposure += (now - at).as_secs_f64() * n as f64;
+        let rate = |sample: &[(std::time::Instant, u64, u64)]| {
+            let (mut pages, mut dirtied, mut exposure) = (0u64, 0u64, 0.0);
+            for &(at, first, n) in sample {
+                pages += n;
+                dirtied += (first..first + n).filter(|&p| dirty.get(p)).count() as u64;
+                exposure += (now - at).as_secs_f64() * n as f64;
+            }
+            let exposure = exposure / pages.max(1) as f64;
+            // The share of memory dirtied per second of exposure, of all memory.
+            dirtied as f64 / pages.max(1) as f64 * pages_total as f64 / exposure * PAGE_SIZE as f64
+        };
+        (long.len() >= 4 && rate(&long) >= NOT_CONVERGING * link) || rate(&short) >= FAR_FROM_CONVERGING * link
+    }
+
+    /// The runs out between one and two `exposure`s ago (all older ones if
+    /// those are too few to sample memory).
+    fn sample(&self, now: std::time::Instant, exposure: Duration) -> Vec<(std::time::Instant, u64, u64)> {
+        let window: Vec<_> = self.sent.iter().filter(|(at, ..)| now - *at >= exposure).copied().collect();
+        let recent: Vec<_> = window.iter().filter(|(at, ..)| now - *at < 2 * exposure).copied().collect();
+        if recent.len() >= 8 {
+            recent
+        } else {
+            window
         }
-        let exposure = exposure / pages.max(1) as f64;
-        // The share of memory dirtied per second of exposure, of all memory.
-        let rate = dirtied as f64 / pages.max(1) as f64 * pages_total as f64 / exposure * PAGE_SIZE as f64;
-        rate >= NOT_CONVERGING * link
     }
 }
 
@@ -273,6 +295,32 @@ mod tests {
         assert!(!watch.handover(100e6, 65536, &mut dirty, mark), "44 MB/s against 100 MB/s");
         watch.last_check = long_ago;
         assert!(!watch.handover(40e6, 65536, &mut dirty, |_| false), "no look at the log, no handover");
+    }
+
+    #[test]
+    fn handover_after_a_short_look_only_when_far_from_converging() {
+        let mut watch = HandoverWatch::new();
+        let lately = std::time::Instant::now() - Duration::from_millis(300);
+        for i in 0..16 {
+            watch.sent.push((lately, i * 4096, 1024));
+        }
+        let mark = |share: u64| {
+            move |d: &mut DirtyBitmap| {
+                for i in 0..16u64 {
+                    for p in 0..share {
+                        d.set(i * 4096 + p);
+                    }
+                }
+                true
+            }
+        };
+        // Everything out 0.3 s ago dirtied again: 256 MiB per 0.3 s.
+        watch.last_check = lately;
+        assert!(watch.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(1024)), "~900 MB/s vs 100 MB/s");
+        // A quarter of it: ~220 MB/s, not twice a 150 MB/s link; the long
+        // look has nothing to say yet.
+        watch.last_check = lately;
+        assert!(!watch.handover(150e6, 65536, &mut DirtyBitmap::new(65536), mark(256)), "~220 MB/s vs 150 MB/s");
     }
 
     #[test]
