@@ -472,6 +472,21 @@ impl Pacer {
         self.bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
 
+    /// Takes `n` bytes out of the bucket without waiting: bytes that went
+    /// on the same link another way (post-copy's asked-for pages), which
+    /// the paced writers then leave room for. Not counted in [`bytes`].
+    ///
+    /// [`bytes`]: Pacer::bytes
+    pub fn charge(&self, n: usize) {
+        let Some(rate) = self.rate() else { return };
+        let rate = rate as f64;
+        let mut b = self.bucket.lock().unwrap();
+        let now = Instant::now();
+        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(rate * self.burst());
+        b.last = now;
+        b.tokens -= n as f64;
+    }
+
     /// The largest write that may go in one step.
     fn slice(&self, len: usize) -> usize {
         match self.rate() {
@@ -560,6 +575,19 @@ mod tests {
         assert_eq!(w.bytes, 2_000_000);
         // 2 MB at 10 MB/s: 0.2 s, less the one burst allowance.
         assert!(secs > 0.17, "2 MB at 10 MB/s took only {secs:.3} s");
+    }
+
+    #[test]
+    fn charged_bytes_slow_the_paced_writers() {
+        let pacer = Pacer::new(Some(10_000_000));
+        let mut w = Metered::new(std::io::sink(), pacer.clone());
+        let start = Instant::now();
+        // 1 MB charged (went another way) and 1 MB written: 0.2 s.
+        pacer.charge(1_000_000);
+        w.write_all(&vec![0u8; 1_000_000]).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        assert!(secs > 0.17, "2 MB at 10 MB/s took only {secs:.3} s");
+        assert_eq!(pacer.bytes(), 1_000_000, "charged bytes are not the writers'");
     }
 
     #[test]

@@ -9,39 +9,40 @@
 //! From the moment POSTCOPY is written the VM never runs here again
 //! (docs/security.md): neither end alone holds it whole.
 
+mod link;
+
 use std::io::{BufReader, BufWriter, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
-use tsubame_codec::zero::is_zero;
-use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
+use tsubame_vmm::{memory, DirtyBitmap};
 
+use self::link::{Connections, Counters, Heard, Link, Outstanding, PageFrames};
 use super::send::write_frame_flushed;
-use super::vm::SourceVm;
 use super::{ms, SourceError, SourceRun};
-use crate::protocol::messages::MAX_REQUEST;
-use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::{
-    self, Digest, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, Resume,
-    ResumeAck, SourceState, WireError,
+    self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, Resume, ResumeAck, SourceState, WireError,
 };
 use crate::stats::PostcopyStats;
-use crate::transport::{Address, Metered, Stream, TransportError};
+use crate::transport::{Address, Metered, Pacer, Stream, TransportError};
 
 /// Pages one background push takes at a time: small, so an asked-for page
 /// never waits long for the pusher to look at the requests.
 const PUSH_PAGES: usize = 64;
 
-/// The background push runs at a share of the link's rate: while the
-/// guest waits on faults, low enough that a shaped link's queue stays
-/// empty with the headers counted (0.85 of 1 Gbit/s: fault service p50
-/// 35 µs; 0.9: 325 µs; 0.95: 1 ms), else close to the whole link.
-const PUSH_SHARE_FAULTING: f64 = 0.85;
-const PUSH_SHARE_QUIET: f64 = 0.95;
+/// The background push and the asked-for pages together run at a share of
+/// what the link carries: while the guest waits on faults, low enough that
+/// a shaped link's queue stays short (an asked-for page queues behind
+/// whatever is in it), else nearly all of it.
+const PUSH_SHARE_FAULTING: f64 = 0.97;
+const PUSH_SHARE_QUIET: f64 = 0.99;
 /// Asked-for pages per second above which the guest counts as faulting.
 const FAULTING: f64 = 100.0;
+/// The share of a link's bits that carries TCP payload (1448 of 1514
+/// bytes a frame at MTU 1500): `--max-bandwidth` names the link's rate,
+/// and a shaped link counts every header.
+const PAYLOAD_SHARE: f64 = 0.955;
 
 /// Bytes a channel may still hold in flight when the guest is paused for
 /// the switch (64 KiB: half a millisecond at 1 Gbit/s); waited for at
@@ -52,86 +53,6 @@ const DRAINED: usize = 64 << 10;
 /// behind at most this much of it on a shaped link (10 ms bursts put the
 /// median fault service at ~1 ms at 1 Gbit/s).
 const PUSH_BURST: Duration = Duration::from_millis(1);
-
-/// What the channel-0 reader hears from the destination.
-enum Heard {
-    Running(PostcopyRunning),
-    Done(PostcopyDone),
-    Refused(String),
-    Lost(String),
-}
-
-/// What the destination still lacks, as this end knows it.
-struct Outstanding {
-    /// Pages not sent yet since the switch.
-    unsent: DirtyBitmap,
-    /// Where the background push goes on (the page after the last one
-    /// asked for, for locality).
-    cursor: u64,
-}
-
-impl Outstanding {
-    /// Takes up to `n` unsent pages from the cursor on, wrapping once.
-    fn take(&mut self, n: usize) -> Vec<u64> {
-        let pages = self.unsent.pages();
-        let start = self.cursor.min(pages);
-        let mut out = Vec::with_capacity(n);
-        for (from, to) in [(start, pages), (0, start)] {
-            let mut at = from;
-            while at < to && out.len() < n {
-                let word = self.unsent.words()[(at / 64) as usize] >> (at % 64);
-                if word == 0 {
-                    at = (at / 64 + 1) * 64;
-                    continue;
-                }
-                at += word.trailing_zeros() as u64;
-                if at >= to {
-                    break;
-                }
-                out.push(at);
-                self.unsent.unset(at);
-                at += 1;
-            }
-        }
-        if let Some(&last) = out.last() {
-            self.cursor = last + 1;
-        }
-        out
-    }
-}
-
-/// Builds POSTCOPY_PAGES frames of raw and zero records from a paused VM.
-struct PageFrames {
-    builder: PagesBuilder,
-    page: [u8; PAGE_SIZE],
-    out: Vec<u8>,
-    zero: u64,
-}
-
-impl PageFrames {
-    fn new() -> PageFrames {
-        PageFrames { builder: PagesBuilder::new(RECORDS_PER_FRAME), page: [0; PAGE_SIZE], out: Vec::new(), zero: 0 }
-    }
-
-    /// The frames carrying `pages`, read from a paused VM's memory.
-    fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
-        self.out.clear();
-        for chunk in pages.chunks(RECORDS_PER_FRAME) {
-            self.builder.reset(u32::MAX, 0);
-            for &index in chunk {
-                memory::read_page(memory, index, &mut self.page).map_err(tsubame_vmm::VmError::from)?;
-                if is_zero(&self.page) {
-                    self.builder.push(index, Encoding::Zero, &[]);
-                    self.zero += 1;
-                } else {
-                    self.builder.push(index, Encoding::Raw, &self.page);
-                }
-            }
-            protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload()).expect("Vec writes");
-        }
-        Ok(&self.out)
-    }
-}
 
 impl SourceRun<'_> {
     /// Pauses the VM, hands it to the destination with the set of pages it
@@ -190,7 +111,7 @@ impl SourceRun<'_> {
         let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0 }));
         let reader = self.reader.take().expect("connected");
         let urgent = self.urgent.take();
-        let mut link = Link::start(vm, writers, reader, urgent, &outstanding, &counters);
+        let mut link = Link::start(vm, writers, reader, urgent, &outstanding, &counters, self.pacer.clone());
 
         // The destination runs the VM once it says so: the downtime ends.
         // (A cut link here is taken back like any other: a destination
@@ -211,13 +132,14 @@ impl SourceRun<'_> {
         }
         self.stats.downtime_ms = ms(paused.elapsed());
 
-        // Push the rest, a little under the link's rate.
-        // (A switch before the first iteration ended has measured nothing:
-        // then the cap is the link's rate as far as we know.)
+        // Push the rest, a little under the link's rate. A switch before
+        // the first iteration ended has measured nothing: then the link's
+        // rate is the cap as far as we know.
         let measured = self.policy.bandwidth_for(self.options);
         let bandwidth = match self.options.max_bandwidth {
-            Some(cap) if measured <= 1.0 => cap as f64,
-            _ => measured,
+            Some(cap) if measured <= 1.0 => cap as f64 * PAYLOAD_SHARE,
+            Some(cap) => measured.min(cap as f64 * PAYLOAD_SHARE),
+            None => measured,
         };
         let mut rate = PushRate {
             pacer: self.pacer.clone().filter(|_| bandwidth > 1.0 && bandwidth.is_finite()),
@@ -290,7 +212,10 @@ impl SourceRun<'_> {
             counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
             let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
             let channels = link.writers.len();
-            link.writers[next % channels].write_all(bytes).map_err(lost)?;
+            // Straight on to the socket: an asked-for page the push took
+            // is not sent again, so it must not wait in a buffer.
+            let writer = &mut link.writers[next % channels];
+            writer.write_all(bytes).and_then(|_| writer.flush()).map_err(lost)?;
             next += 1;
         }
         for w in &mut link.writers {
@@ -334,7 +259,7 @@ impl SourceRun<'_> {
                     if let Some((_, reply)) = asked {
                         let _ = reply.send(Ok(()));
                     }
-                    return Ok(Link::start(vm, writers, reader, urgent, outstanding, counters));
+                    return Ok(Link::start(vm, writers, reader, urgent, outstanding, counters, self.pacer.clone()));
                 }
                 Err(e) => {
                     if let Some((_, reply)) = asked {
@@ -400,14 +325,10 @@ impl SourceRun<'_> {
     }
 }
 
-/// A post-copy link's connections: the data channels' writers, channel
-/// 0's reader, the request connection.
-type Connections = (Vec<super::send::Writer>, BufReader<Stream>, Option<Stream>);
-
 /// The push's pace: slower while the guest faults often, so its asked-for
 /// pages do not queue behind pushed ones.
 struct PushRate {
-    pacer: Option<Arc<crate::transport::Pacer>>,
+    pacer: Option<Arc<Pacer>>,
     bandwidth: f64,
     since: Instant,
     urgent: u64,
@@ -430,146 +351,4 @@ impl PushRate {
             (self.since, self.urgent) = (Instant::now(), urgent);
         }
     }
-}
-
-/// What went out since the switch, counted across links.
-#[derive(Default)]
-struct Counters {
-    pushed: AtomicU64,
-    urgent_pages: Arc<AtomicU64>,
-    urgent_bytes: Arc<AtomicU64>,
-}
-
-/// The connections of the post-copy phase and the threads on them: the
-/// data channels (pushed pages), the reader of channel 0 (requests and
-/// replies) and the request server on its own connection.
-struct Link {
-    writers: Vec<super::send::Writer>,
-    heard: Receiver<Heard>,
-    reader: std::thread::JoinHandle<()>,
-}
-
-impl Link {
-    fn start(
-        vm: &dyn SourceVm,
-        writers: Vec<super::send::Writer>,
-        reader: BufReader<Stream>,
-        urgent: Option<Stream>,
-        outstanding: &Arc<Mutex<Outstanding>>,
-        counters: &Counters,
-    ) -> Link {
-        let (heard_tx, heard) = unbounded();
-        let (requests_tx, requests) = unbounded::<Vec<u64>>();
-        let pages = memory::page_count(vm.memory());
-        let reader = spawn_reader(reader, pages, heard_tx.clone(), requests_tx);
-        if let Some(stream) = urgent {
-            let server = UrgentServer {
-                writer: BufWriter::with_capacity(256 << 10, stream),
-                outstanding: outstanding.clone(),
-                sent: counters.urgent_pages.clone(),
-                bytes: counters.urgent_bytes.clone(),
-            };
-            let memory = vm.memory().clone();
-            let _ = std::thread::Builder::new()
-                .name("postcopy-urgent".into())
-                .spawn(move || server.run(memory, requests, heard_tx));
-        }
-        Link { writers, heard, reader }
-    }
-}
-
-/// Sends asked-for pages on the connection kept for them.
-struct UrgentServer {
-    writer: BufWriter<Stream>,
-    outstanding: Arc<Mutex<Outstanding>>,
-    /// Pages sent, and bytes.
-    sent: Arc<AtomicU64>,
-    bytes: Arc<AtomicU64>,
-}
-
-impl UrgentServer {
-    fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
-        let mut frames = PageFrames::new();
-        while let Ok(mut pages) = requests.recv() {
-            // Take every request queued meanwhile: one write for all.
-            pages.extend(requests.try_iter().flatten());
-            pages.sort_unstable();
-            pages.dedup();
-            {
-                let mut outstanding = self.outstanding.lock().unwrap();
-                for &p in &pages {
-                    outstanding.unsent.unset(p);
-                }
-                // The guest works near where it faulted: push from there.
-                if let Some(&last) = pages.last() {
-                    outstanding.cursor = last + 1;
-                }
-            }
-            let out = match frames.frames(&memory, &pages) {
-                Ok(out) => out,
-                Err(e) => {
-                    let _ = heard.send(Heard::Refused(e.to_string()));
-                    return;
-                }
-            };
-            if let Err(e) = self.writer.write_all(out).and_then(|_| self.writer.flush()) {
-                let _ = heard.send(Heard::Lost(format!("link lost while sending asked-for pages: {e}")));
-                return;
-            }
-            self.sent.fetch_add(pages.len() as u64, Ordering::Relaxed);
-            self.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-        }
-    }
-}
-
-/// Reads channel 0 from the destination: page requests go to the request
-/// server, everything else to the migration thread.
-fn spawn_reader(
-    mut reader: BufReader<Stream>,
-    pages: u64,
-    heard: Sender<Heard>,
-    requests: Sender<Vec<u64>>,
-) -> std::thread::JoinHandle<()> {
-    // The destination may say nothing for long while its guest does not
-    // fault: only a broken connection ends the wait.
-    let _ = reader.get_ref().set_read_timeout(None);
-    std::thread::Builder::new()
-        .name("postcopy-reader".into())
-        .spawn(move || {
-            let mut frame = Vec::new();
-            loop {
-                let event = match protocol::read_frame(&mut reader, &mut frame) {
-                    Ok(kind) if SourceState::Postcopy.accepts(kind) || kind == FrameKind::Error => match kind {
-                        FrameKind::PageRequest => match PageRequest::decode(&frame, pages) {
-                            Ok(request) => {
-                                debug_assert!(request.pages.len() <= MAX_REQUEST);
-                                if requests.send(request.pages).is_err() {
-                                    return;
-                                }
-                                continue;
-                            }
-                            Err(e) => Heard::Lost(format!("bad page request: {e}")),
-                        },
-                        FrameKind::PostcopyRunning => match PostcopyRunning::decode(&frame) {
-                            Ok(running) => Heard::Running(running),
-                            Err(e) => Heard::Lost(e.to_string()),
-                        },
-                        FrameKind::PostcopyDone => match PostcopyDone::decode(&frame) {
-                            Ok(done) => Heard::Done(done),
-                            Err(e) => Heard::Lost(e.to_string()),
-                        },
-                        _ => Heard::Refused(ErrorMessage::decode(&frame).0),
-                    },
-                    Ok(other) => Heard::Lost(
-                        WireError::Unexpected { got: other, expected: SourceState::Postcopy.expects() }.to_string(),
-                    ),
-                    Err(e) => Heard::Lost(format!("link lost: {e}")),
-                };
-                let last = !matches!(event, Heard::Running(_));
-                if heard.send(event).is_err() || last {
-                    return;
-                }
-            }
-        })
-        .expect("spawn post-copy reader")
 }

@@ -1,0 +1,264 @@
+//! The post-copy link: what the destination still lacks, the frames
+//! pages go out in, and the threads on the connections (channel 0's
+//! reader, the server of asked-for pages).
+
+use std::io::{BufReader, BufWriter, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use tsubame_codec::zero::is_zero;
+use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
+
+use crate::protocol::messages::MAX_REQUEST;
+use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
+use crate::protocol::{
+    self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
+};
+use crate::source::send::Writer;
+use crate::source::vm::SourceVm;
+use crate::source::SourceError;
+use crate::transport::{Pacer, Stream};
+
+/// What the channel-0 reader hears from the destination.
+pub(super) enum Heard {
+    Running(PostcopyRunning),
+    Done(PostcopyDone),
+    Refused(String),
+    Lost(String),
+}
+
+/// What the destination still lacks, as this end knows it.
+pub(super) struct Outstanding {
+    /// Pages not sent yet since the switch.
+    pub(super) unsent: DirtyBitmap,
+    /// Where the background push goes on (the page after the last one
+    /// asked for, for locality).
+    pub(super) cursor: u64,
+}
+
+impl Outstanding {
+    /// Takes up to `n` unsent pages from the cursor on, wrapping once.
+    pub(super) fn take(&mut self, n: usize) -> Vec<u64> {
+        let pages = self.unsent.pages();
+        let start = self.cursor.min(pages);
+        let mut out = Vec::with_capacity(n);
+        for (from, to) in [(start, pages), (0, start)] {
+            let mut at = from;
+            while at < to && out.len() < n {
+                let word = self.unsent.words()[(at / 64) as usize] >> (at % 64);
+                if word == 0 {
+                    at = (at / 64 + 1) * 64;
+                    continue;
+                }
+                at += word.trailing_zeros() as u64;
+                if at >= to {
+                    break;
+                }
+                out.push(at);
+                self.unsent.unset(at);
+                at += 1;
+            }
+        }
+        if let Some(&last) = out.last() {
+            self.cursor = last + 1;
+        }
+        out
+    }
+}
+
+/// Builds POSTCOPY_PAGES frames of raw and zero records from a paused VM.
+pub(super) struct PageFrames {
+    builder: PagesBuilder,
+    page: [u8; PAGE_SIZE],
+    out: Vec<u8>,
+    pub(super) zero: u64,
+}
+
+impl PageFrames {
+    pub(super) fn new() -> PageFrames {
+        PageFrames { builder: PagesBuilder::new(RECORDS_PER_FRAME), page: [0; PAGE_SIZE], out: Vec::new(), zero: 0 }
+    }
+
+    /// The frames carrying `pages`, read from a paused VM's memory.
+    pub(super) fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
+        self.out.clear();
+        for chunk in pages.chunks(RECORDS_PER_FRAME) {
+            self.builder.reset(u32::MAX, 0);
+            for &index in chunk {
+                memory::read_page(memory, index, &mut self.page).map_err(tsubame_vmm::VmError::from)?;
+                if is_zero(&self.page) {
+                    self.builder.push(index, Encoding::Zero, &[]);
+                    self.zero += 1;
+                } else {
+                    self.builder.push(index, Encoding::Raw, &self.page);
+                }
+            }
+            protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload()).expect("Vec writes");
+        }
+        Ok(&self.out)
+    }
+}
+
+/// A post-copy link's connections: the data channels' writers, channel
+/// 0's reader, the request connection.
+pub(super) type Connections = (Vec<Writer>, BufReader<Stream>, Option<Stream>);
+
+/// What went out since the switch, counted across links.
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) pushed: AtomicU64,
+    pub(super) urgent_pages: Arc<AtomicU64>,
+    pub(super) urgent_bytes: Arc<AtomicU64>,
+}
+
+/// The connections of the post-copy phase and the threads on them: the
+/// data channels (pushed pages), the reader of channel 0 (requests and
+/// replies) and the request server on its own connection.
+pub(super) struct Link {
+    pub(super) writers: Vec<Writer>,
+    pub(super) heard: Receiver<Heard>,
+    pub(super) reader: std::thread::JoinHandle<()>,
+}
+
+impl Link {
+    pub(super) fn start(
+        vm: &dyn SourceVm,
+        writers: Vec<Writer>,
+        reader: BufReader<Stream>,
+        urgent: Option<Stream>,
+        outstanding: &Arc<Mutex<Outstanding>>,
+        counters: &Counters,
+        pacer: Option<Arc<Pacer>>,
+    ) -> Link {
+        let (heard_tx, heard) = unbounded();
+        let (requests_tx, requests) = unbounded::<Vec<u64>>();
+        let pages = memory::page_count(vm.memory());
+        let reader = spawn_reader(reader, pages, heard_tx.clone(), requests_tx);
+        if let Some(stream) = urgent {
+            let server = UrgentServer {
+                writer: BufWriter::with_capacity(256 << 10, stream),
+                outstanding: outstanding.clone(),
+                sent: counters.urgent_pages.clone(),
+                bytes: counters.urgent_bytes.clone(),
+                pacer,
+            };
+            let memory = vm.memory().clone();
+            let _ = std::thread::Builder::new()
+                .name("postcopy-urgent".into())
+                .spawn(move || server.run(memory, requests, heard_tx));
+        }
+        Link { writers, heard, reader }
+    }
+}
+
+/// Sends asked-for pages on the connection kept for them.
+struct UrgentServer {
+    writer: BufWriter<Stream>,
+    outstanding: Arc<Mutex<Outstanding>>,
+    /// Pages sent, and bytes.
+    sent: Arc<AtomicU64>,
+    bytes: Arc<AtomicU64>,
+    /// The push's pacer: asked-for pages share the link with it.
+    pacer: Option<Arc<Pacer>>,
+}
+
+impl UrgentServer {
+    fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
+        let mut frames = PageFrames::new();
+        while let Ok(mut pages) = requests.recv() {
+            // Take every request queued meanwhile: one write for all.
+            pages.extend(requests.try_iter().flatten());
+            pages.sort_unstable();
+            pages.dedup();
+            {
+                // A page the push took already is on its way, ahead of
+                // anything sent now on the same link: sending it again
+                // would only double its bytes (a guest that writes memory
+                // in order catches up with the push and faults on the
+                // pages in flight, a third of all pages for fill-random).
+                let mut outstanding = self.outstanding.lock().unwrap();
+                pages.retain(|&p| {
+                    let unsent = outstanding.unsent.get(p);
+                    outstanding.unsent.unset(p);
+                    unsent
+                });
+                // The guest works near where it faulted: push from there.
+                if let Some(&last) = pages.last() {
+                    outstanding.cursor = last + 1;
+                }
+            }
+            if pages.is_empty() {
+                continue;
+            }
+            let out = match frames.frames(&memory, &pages) {
+                Ok(out) => out,
+                Err(e) => {
+                    let _ = heard.send(Heard::Refused(e.to_string()));
+                    return;
+                }
+            };
+            if let Err(e) = self.writer.write_all(out).and_then(|_| self.writer.flush()) {
+                let _ = heard.send(Heard::Lost(format!("link lost while sending asked-for pages: {e}")));
+                return;
+            }
+            if let Some(pacer) = &self.pacer {
+                pacer.charge(out.len());
+            }
+            self.sent.fetch_add(pages.len() as u64, Ordering::Relaxed);
+            self.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Reads channel 0 from the destination: page requests go to the request
+/// server, everything else to the migration thread.
+pub(super) fn spawn_reader(
+    mut reader: BufReader<Stream>,
+    pages: u64,
+    heard: Sender<Heard>,
+    requests: Sender<Vec<u64>>,
+) -> std::thread::JoinHandle<()> {
+    // The destination may say nothing for long while its guest does not
+    // fault: only a broken connection ends the wait.
+    let _ = reader.get_ref().set_read_timeout(None);
+    std::thread::Builder::new()
+        .name("postcopy-reader".into())
+        .spawn(move || {
+            let mut frame = Vec::new();
+            loop {
+                let event = match protocol::read_frame(&mut reader, &mut frame) {
+                    Ok(kind) if SourceState::Postcopy.accepts(kind) || kind == FrameKind::Error => match kind {
+                        FrameKind::PageRequest => match PageRequest::decode(&frame, pages) {
+                            Ok(request) => {
+                                debug_assert!(request.pages.len() <= MAX_REQUEST);
+                                if requests.send(request.pages).is_err() {
+                                    return;
+                                }
+                                continue;
+                            }
+                            Err(e) => Heard::Lost(format!("bad page request: {e}")),
+                        },
+                        FrameKind::PostcopyRunning => match PostcopyRunning::decode(&frame) {
+                            Ok(running) => Heard::Running(running),
+                            Err(e) => Heard::Lost(e.to_string()),
+                        },
+                        FrameKind::PostcopyDone => match PostcopyDone::decode(&frame) {
+                            Ok(done) => Heard::Done(done),
+                            Err(e) => Heard::Lost(e.to_string()),
+                        },
+                        _ => Heard::Refused(ErrorMessage::decode(&frame).0),
+                    },
+                    Ok(other) => Heard::Lost(
+                        WireError::Unexpected { got: other, expected: SourceState::Postcopy.expects() }.to_string(),
+                    ),
+                    Err(e) => Heard::Lost(format!("link lost: {e}")),
+                };
+                let last = !matches!(event, Heard::Running(_));
+                if heard.send(event).is_err() || last {
+                    return;
+                }
+            }
+        })
+        .expect("spawn post-copy reader")
+}
