@@ -78,7 +78,7 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         wire::FrameKind::Resumed => {
             let _ = Resumed::decode(payload);
         }
-        wire::FrameKind::Postcopy => {
+        wire::FrameKind::Postcopy | wire::FrameKind::PostcopyPrepare => {
             let _ = PostcopyStart::decode(payload, PAGES);
         }
         wire::FrameKind::PostcopyRunning => {

@@ -306,6 +306,76 @@ fn a_link_down_for_good_loses_the_vm_but_never_corrupts_it() {
     eprintln!("source: {error}\ndestination: {err}\nguest progress lines after: {}", after.len());
 }
 
+/// A link cut while the destination drops stale pages (the guest still
+/// runs at the source, POSTCOPY not sent yet) is a pre-copy failure: the
+/// source VM keeps running and the destination never runs its half.
+#[test]
+fn a_cut_before_the_switch_keeps_the_vm_at_the_source() {
+    if !kvm_or_skip() {
+        return;
+    }
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use tsubame_migrate::protocol::{parse_header, FrameKind, FRAME_HEADER_LEN, PREAMBLE_LEN};
+    let (vm, console) = boot(64 << 20, "workload=kv wss=24M");
+    let dir = std::env::temp_dir().join(format!("tsubame-postcopy-prepare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let listener = Listener::bind(&Address::Unix(dir.join("dest.sock"))).unwrap();
+    let dest = std::thread::spawn(move || receive(&listener, &ReceiveOptions::default(), &|_| {}).map(drop));
+    // Channel 0 goes through here: source → destination as is; destination
+    // → source frame by frame, until POSTCOPY_PREPARED, which cuts both.
+    let front = UnixListener::bind(dir.join("front.sock")).unwrap();
+    let to = dir.join("dest.sock");
+    std::thread::spawn(move || {
+        for (n, client) in front.incoming().flatten().enumerate() {
+            let server = UnixStream::connect(&to).unwrap();
+            let (mut up_from, mut up_to) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || drop(std::io::copy(&mut up_from, &mut up_to)));
+            let (mut down_from, mut down_to) = (server, client);
+            std::thread::spawn(move || {
+                let mut preamble = [0u8; PREAMBLE_LEN];
+                if down_from.read_exact(&mut preamble).is_err() || down_to.write_all(&preamble).is_err() {
+                    return;
+                }
+                loop {
+                    let mut header = [0u8; FRAME_HEADER_LEN];
+                    if down_from.read_exact(&mut header).is_err() {
+                        return;
+                    }
+                    let (kind, len) = parse_header(&header).unwrap();
+                    if n == 0 && kind == FrameKind::PostcopyPrepared {
+                        let _ = down_from.shutdown(std::net::Shutdown::Both);
+                        let _ = down_to.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                    let mut payload = vec![0u8; len];
+                    if down_from.read_exact(&mut payload).is_err()
+                        || down_to.write_all(&header).and_then(|_| down_to.write_all(&payload)).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let options = MigrateOptions {
+        postcopy: PostcopyMode::After(1),
+        max_bandwidth: Some(40_000_000),
+        ..MigrateOptions::default()
+    };
+    let progress = ProgressCell::default();
+    let stats = source::migrate(&vm, &Address::Unix(dir.join("front.sock")), &options, &progress);
+    assert_eq!(stats.status, Status::Failed, "the cut came before POSTCOPY");
+    let error = stats.error.clone().unwrap();
+    assert!(error.contains("keeps running here"), "{error}");
+    assert!(!vm.status().is_stopped(), "the source VM was left stopped");
+    let went_on = ops_until(&console, Duration::from_millis(300));
+    assert!(went_on.last() > went_on.first(), "the guest did not go on at the source");
+    assert!(dest.join().unwrap().is_err(), "the destination took a VM it never got whole");
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("cut at POSTCOPY_PREPARED: {error}");
+}
+
 #[test]
 fn a_cut_link_pauses_post_copy_and_it_resumes() {
     if !kvm_or_skip() {

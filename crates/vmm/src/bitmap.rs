@@ -104,6 +104,12 @@ impl DirtyBitmap {
         self.words.iter_mut().zip(&other.words).for_each(|(a, b)| *a |= b);
     }
 
+    /// Removes the pages of `other` (of the same size).
+    pub fn subtract(&mut self, other: &DirtyBitmap) {
+        debug_assert_eq!(self.pages, other.pages);
+        self.words.iter_mut().zip(&other.words).for_each(|(a, b)| *a &= !b);
+    }
+
     /// Adds pages given as words, LSB first, from page 0.
     pub fn union_words(&mut self, words: &[u64]) {
         self.words.iter_mut().zip(words).for_each(|(a, b)| *a |= b);
@@ -153,5 +159,11 @@ mod tests {
         b.union_with(&full);
         assert_eq!(b, full);
         assert_eq!(DirtyBitmap::from_words(vec![u64::MAX; 3], 130).count(), 130);
+        let mut some = DirtyBitmap::new(130);
+        some.set(5);
+        some.set(129);
+        b.subtract(&some);
+        assert_eq!(b.count(), 128);
+        assert!(!b.get(5) && !b.get(129) && b.get(128));
     }
 }

@@ -140,6 +140,9 @@ pub fn thaw(mem: &GuestMemory) {
     }
 }
 
+/// A set of pages this small is dropped without reading the page map.
+const FEW_PAGES: u64 = 4096;
+
 /// Guest memory registered for missing-page faults.
 pub struct PageFaults {
     /// Keeps the mapping alive while faults may be served.
@@ -331,6 +334,25 @@ impl PageFaults {
     /// lone page costs ~1.4 µs (140k scattered stale pages were 200 ms of
     /// a post-copy switch), so the calls are spread over the cores.
     pub fn discard_set(&self, pages: &crate::DirtyBitmap) -> Result<(), FaultError> {
+        if pages.count() <= FEW_PAGES {
+            // Too few to pay for reading the page map (2 MB of it per GiB
+            // of memory): one call per run of neighbours, populated or not.
+            let mut run: Option<(u64, u64)> = None;
+            for page in pages.iter() {
+                run = match run {
+                    Some((first, end)) if end == page => Some((first, page + 1)),
+                    Some((first, end)) => {
+                        self.discard(first, end - first)?;
+                        Some((page, page + 1))
+                    }
+                    None => Some((page, page + 1)),
+                };
+            }
+            return match run {
+                Some((first, end)) => self.discard(first, end - first),
+                None => Ok(()),
+            };
+        }
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4) as u64;
         let share = self.pages.div_ceil(threads).div_ceil(64) * 64;
         std::thread::scope(|scope| {
@@ -354,6 +376,15 @@ impl PageFaults {
         let mut chunk_start = first;
         while chunk_start < end {
             let len = CHUNK.min(end - chunk_start) as usize;
+            let words = &pages.words()[(chunk_start / 64) as usize..(chunk_start + len as u64).div_ceil(64) as usize];
+            if words.iter().all(|&w| w == 0) {
+                // Nothing to drop here: no need to know what is populated.
+                if let Some((first, end, true)) = run.take() {
+                    self.discard(first, end - first)?;
+                }
+                chunk_start += len as u64;
+                continue;
+            }
             let flags = &mut populated[..len];
             match &pagemap {
                 Some(map) if map.populated(&self._memory, chunk_start, flags).is_ok() => {}

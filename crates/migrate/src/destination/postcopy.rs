@@ -127,6 +127,30 @@ impl PostcopyShared {
         }))
     }
 
+    /// Pages of guest memory.
+    pub(super) fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Drops the pages of `more` too: they went stale at the source since
+    /// the last look. Only before the VM runs here (nothing faults yet).
+    pub(super) fn add_missing(&self, more: &DirtyBitmap) -> Result<(), ReceiveError> {
+        let mut new = DirtyBitmap::new(self.pages);
+        for p in more.iter().filter(|&p| !self.missing.is_bit_set(p as usize)) {
+            new.set(p);
+        }
+        self.faults.discard_set(&new).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        for p in new.iter() {
+            self.missing.set_bit(p as usize);
+        }
+        let added = new.count();
+        if added > 0 {
+            self.remaining.fetch_add(added, Ordering::AcqRel);
+            *self.settled.0.lock().unwrap() = false;
+        }
+        Ok(())
+    }
+
     /// Installs the pages of a POSTCOPY_PAGES frame (raw and zero records).
     /// Pages may come twice (asked for and pushed); once every page is
     /// here the rest are duplicates and are dropped.
@@ -242,7 +266,7 @@ impl PostcopyShared {
     /// Asks the source for `pages`.
     fn ask(&self, pages: &[u64]) -> std::io::Result<()> {
         let mut back = self.back.lock().unwrap();
-        for chunk in pages.chunks(protocol::messages::MAX_REQUEST) {
+        for chunk in pages.chunks(protocol::MAX_REQUEST) {
             let request = PageRequest { pages: chunk.to_vec() }.encode();
             protocol::write_frame(&mut *back, FrameKind::PageRequest, &request)?;
             self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);

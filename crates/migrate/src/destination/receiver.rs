@@ -67,8 +67,9 @@ struct Session {
 enum MemoryEnd {
     /// STATE arrived and the memory verified: the VM's state.
     State(Vec<u8>),
-    /// The source switched to post-copy.
-    Postcopy(PostcopyStart),
+    /// The source switched to post-copy (true: with POSTCOPY at once), or
+    /// is about to (false: POSTCOPY_PREPARE).
+    Postcopy(PostcopyStart, bool),
 }
 
 /// What a receive ended with.
@@ -140,7 +141,7 @@ impl<'a> StreamReceiver<'a> {
         let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region, session.far.clone());
         let result = self.receive_memory(&mut reader, writer, &session, &digest);
         // Post-copy starts from the hash of every page held now.
-        let held = matches!(result, Ok(MemoryEnd::Postcopy(_))).then(|| digest.page_hashes());
+        let held = matches!(result, Ok(MemoryEnd::Postcopy(..))).then(|| digest.page_hashes());
         drop(digest);
         let Session { mem, shared, main, readers, mut workers, urgent, far } = session;
         shared.done.store(true, Ordering::Release);
@@ -184,10 +185,7 @@ impl<'a> StreamReceiver<'a> {
                 (self.log)("committed; the VM runs here now");
                 Ok(Outcome { iterations: self.iterations, postcopy: None })
             }
-            MemoryEnd::Postcopy(start) => {
-                self.state = ReceiverState::Switching;
-                self.next(&mut reader)?;
-                let state = std::mem::take(&mut self.frame.buf);
+            MemoryEnd::Postcopy(start, switching) => {
                 let held = held.expect("hashed for post-copy");
                 let timeout = Duration::from_millis(start.timeout_ms as u64);
                 // Far pages fault in from the memory host, not the source.
@@ -197,6 +195,27 @@ impl<'a> StreamReceiver<'a> {
                 };
                 let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout, far)?;
                 let _ = shared.postcopy.set(postcopy.clone());
+                if !switching {
+                    // The guest still runs at the source: drop what went
+                    // stale there in rounds, so that the pause adds little.
+                    self.state = ReceiverState::Preparing;
+                    loop {
+                        write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyPrepared, &[]))?;
+                        let kind = self.next(&mut reader)?;
+                        if kind == FrameKind::DiskWritten {
+                            self.disk_written()?;
+                            continue;
+                        }
+                        let more = PostcopyStart::decode(&self.frame.buf, postcopy.pages())?;
+                        postcopy.add_missing(&more.missing)?;
+                        if kind == FrameKind::Postcopy {
+                            break;
+                        }
+                    }
+                }
+                self.state = ReceiverState::Switching;
+                self.next(&mut reader)?;
+                let state = std::mem::take(&mut self.frame.buf);
                 let disk_cache = self.finish_warm();
                 landing.restore(&state, disk_cache)?;
                 landing.start_postcopy()?;
@@ -226,6 +245,19 @@ impl<'a> StreamReceiver<'a> {
                 Ok(Outcome { iterations: self.iterations, postcopy: Some(handle) })
             }
         }
+    }
+
+    /// DISK_WRITTEN (in `self.frame`): blocks whose early copies in the
+    /// warm cache are stale.
+    fn disk_written(&self) -> Result<(), ReceiveError> {
+        if !self.opens_storage {
+            return Ok(());
+        }
+        let Some(warm) = self.warm.as_ref() else {
+            return Err(WireError::Unexpected { got: FrameKind::DiskWritten, expected: "WARM_BLOCKS first" }.into());
+        };
+        warm.written(&DiskWritten::decode(&self.frame.buf, warm.size_bytes())?);
+        Ok(())
     }
 
     /// The warm disk cache, filling stopped, for the VM's disk.
@@ -455,24 +487,15 @@ impl<'a> StreamReceiver<'a> {
                         None => self.warm = Some(WarmFill::start(list, self.log)?),
                     }
                 }
-                FrameKind::DiskWritten => {
-                    let Some(warm) = self.warm.as_ref() else {
-                        return Err(WireError::Unexpected {
-                            got: FrameKind::DiskWritten,
-                            expected: "WARM_BLOCKS first",
-                        }
-                        .into());
-                    };
-                    warm.written(&DiskWritten::decode(&self.frame.buf, warm.size_bytes())?);
-                }
-                FrameKind::Postcopy => {
+                FrameKind::DiskWritten => self.disk_written()?,
+                kind @ (FrameKind::Postcopy | FrameKind::PostcopyPrepare) => {
                     let start = PostcopyStart::decode(&self.frame.buf, memory::page_count(mem))?;
                     if let Some(last) = start.last_iteration {
                         // Every channel's pages of it are applied first.
                         shared.wait_applied(last)?;
                     }
                     digest.mark(memory::take_vmm_dirty(mem));
-                    return Ok(MemoryEnd::Postcopy(start));
+                    return Ok(MemoryEnd::Postcopy(start, kind == FrameKind::Postcopy));
                 }
                 kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
             }

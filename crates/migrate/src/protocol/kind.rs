@@ -10,8 +10,10 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// post-copy: HELLO's flags and the post-copy frames; 4 the disk: its
 /// state in STATE's `VmState`, WARM_BLOCKS and DISK_WRITTEN; 5 far
 /// memory: FAR_MEMORY, FAR_PAGES, and the digest's page hash became the
-/// low half of xxh3-128, what far memory keeps of each far copy).
-pub const VERSION: u32 = 5;
+/// low half of xxh3-128, what far memory keeps of each far copy; 6
+/// POSTCOPY_PREPARE and POSTCOPY_PREPARED: the destination drops stale
+/// pages while the guest still runs at the source).
+pub const VERSION: u32 = 6;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -81,6 +83,12 @@ pub enum FrameKind {
     FarMemory = 25,
     /// A run of the far-page bitmap, with each far copy's hash.
     FarPages = 26,
+    /// Post-copy is coming, the guest still runs at the source: the
+    /// destination registers its memory for faults and drops these pages
+    /// (a POSTCOPY payload); sent once or more before POSTCOPY.
+    PostcopyPrepare = 27,
+    /// The destination dropped the pages of the last POSTCOPY_PREPARE.
+    PostcopyPrepared = 28,
 }
 
 impl FrameKind {
@@ -114,6 +122,8 @@ impl FrameKind {
             24 => WarmData,
             25 => FarMemory,
             26 => FarPages,
+            27 => PostcopyPrepare,
+            28 => PostcopyPrepared,
             _ => return None,
         })
     }

@@ -35,6 +35,7 @@ pub mod kind;
 pub mod limits;
 pub mod messages;
 pub mod pages;
+pub mod postcopy;
 pub mod shard;
 pub mod state;
 
@@ -47,8 +48,8 @@ pub use frame::{
 pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
 pub use limits::{check_granularity, MAX_CHANNELS, MAX_REPAIR_ROUNDS, MAX_SHARDS};
 pub use messages::{
-    ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
-    PostcopyStart, Resume, ResumeAck, Resumed, HELLO_FAR_MEMORY, HELLO_POSTCOPY,
+    ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed, HELLO_FAR_MEMORY, HELLO_POSTCOPY,
 };
+pub use postcopy::{PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, Resume, ResumeAck, MAX_REQUEST};
 pub use shard::{shard_codecs, ShardLayout};
 pub use state::{ReceiverState, SourceState};

@@ -14,7 +14,10 @@
 //!   any ──error──> Failed                    Ready ──COMMIT──> Committed
 //!
 //! Post-copy (the source switches instead of stopping):
-//!   Iterating ──POSTCOPY, STATE──> Postcopy   Iterating ──POSTCOPY──> Switching
+//!   Iterating ──POSTCOPY_PREPARE──>           Iterating ──POSTCOPY_PREPARE──> Preparing
+//!     PostcopyPrepare ──PREPARED──> (again)   Preparing ──POSTCOPY_PREPARE──> Preparing
+//!   PostcopyPrepare ──POSTCOPY, STATE──>      Preparing ──POSTCOPY──> Switching
+//!     Postcopy                                Iterating ──POSTCOPY──> Switching
 //!   Postcopy ──PAGE_REQUEST*──> Postcopy      Switching ──STATE──> Postcopy (runs the VM)
 //!   Postcopy ──(link cut)──> PostcopyPaused   Postcopy ──POSTCOPY_PAGES*, DIGEST──> Postcopy
 //!   PostcopyPaused ──RESUME_ACK──> Postcopy   Postcopy ──(every page held)──> Committed
@@ -39,6 +42,11 @@ pub enum SourceState {
     /// Converged, letting the memory digest catch up before the pause.
     #[serde(rename = "hashing before the stop")]
     HashingBeforeStop,
+    /// Post-copy is coming while the guest still runs here: the
+    /// destination drops the pages that went stale (POSTCOPY_PREPARE),
+    /// until few are left for the pause.
+    #[serde(rename = "postcopy-prepare")]
+    PostcopyPrepare,
     /// The guest is paused: last pages, STATE, DIGEST; waiting for READY
     /// (re-sending regions on MISMATCH).
     #[serde(rename = "stop-and-copy")]
@@ -69,6 +77,7 @@ impl SourceState {
             (self, kind),
             (_, Error)
                 | (SourceState::Setup, Accept)
+                | (SourceState::PostcopyPrepare, PostcopyPrepared)
                 | (SourceState::StopAndCopy, Ready | Mismatch)
                 | (SourceState::Committing, Resumed)
                 | (SourceState::Postcopy, PostcopyRunning | PageRequest | PostcopyDone)
@@ -80,6 +89,7 @@ impl SourceState {
     pub fn expects(self) -> &'static str {
         match self {
             SourceState::Setup => "ACCEPT",
+            SourceState::PostcopyPrepare => "POSTCOPY_PREPARED",
             SourceState::StopAndCopy => "READY or MISMATCH",
             SourceState::Committing => "RESUMED",
             SourceState::Postcopy => "POSTCOPY_RUNNING, PAGE_REQUEST or POSTCOPY_DONE",
@@ -114,6 +124,9 @@ pub enum ReceiverState {
     Repairing,
     /// READY went out: waiting for COMMIT.
     Ready,
+    /// POSTCOPY_PREPARE arrived: memory is registered for faults and its
+    /// stale pages dropped; more of them, or POSTCOPY, come next.
+    Preparing,
     /// POSTCOPY arrived: STATE comes next, then the VM runs here.
     Switching,
     /// Post-copy: the VM runs here while its missing pages arrive.
@@ -134,12 +147,16 @@ impl ReceiverState {
                 R::FarMap => matches!(kind, FarMemory | FarPages),
                 R::Iterating => {
                     kind.carries_pages()
-                        || matches!(kind, IterationEnd | State | Postcopy | WarmBlocks | DiskWritten | WarmData)
+                        || matches!(
+                            kind,
+                            IterationEnd | State | Postcopy | PostcopyPrepare | WarmBlocks | DiskWritten | WarmData
+                        )
                 }
                 R::AwaitDigest => kind == Digest,
                 // Repairs go out whole and plain (never compressed).
                 R::Repairing => matches!(kind, Pages | IterationEnd | Digest),
                 R::Ready => kind == Commit,
+                R::Preparing => matches!(kind, PostcopyPrepare | Postcopy | DiskWritten),
                 R::Switching => kind == State,
                 R::Postcopy => matches!(kind, PostcopyPages | Digest),
                 R::Committed => false,
@@ -151,7 +168,8 @@ impl ReceiverState {
         match self {
             ReceiverState::Hello => "HELLO",
             ReceiverState::FarMap => "FAR_MEMORY or FAR_PAGES",
-            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE, POSTCOPY or a disk frame",
+            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE, POSTCOPY_PREPARE, POSTCOPY or a disk frame",
+            ReceiverState::Preparing => "POSTCOPY_PREPARE, POSTCOPY or DISK_WRITTEN",
             ReceiverState::AwaitDigest => "DIGEST",
             ReceiverState::Repairing => "PAGES or DIGEST",
             ReceiverState::Ready => "COMMIT",
@@ -175,7 +193,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 24] = [
+    const ALL: [FrameKind; 26] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -200,6 +218,8 @@ mod tests {
         FrameKind::WarmBlocks,
         FrameKind::DiskWritten,
         FrameKind::WarmData,
+        FrameKind::PostcopyPrepare,
+        FrameKind::PostcopyPrepared,
     ];
 
     #[test]
@@ -207,7 +227,8 @@ mod tests {
         use ReceiverState as R;
         let accepted = |s: R| ALL.iter().filter(|&&k| s.accepts(k)).count();
         assert_eq!(accepted(R::Hello), 2);
-        assert_eq!(accepted(R::Iterating), 10);
+        assert_eq!(accepted(R::Iterating), 11);
+        assert_eq!(accepted(R::Preparing), 4);
         assert_eq!(accepted(R::Postcopy), 3);
         assert_eq!(accepted(R::Repairing), 4);
         assert_eq!(accepted(R::Committed), 1);

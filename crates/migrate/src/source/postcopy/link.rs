@@ -10,8 +10,8 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use tsubame_codec::zero::is_zero;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
 
-use crate::protocol::messages::MAX_REQUEST;
 use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
+use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
     self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
 };
