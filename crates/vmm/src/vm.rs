@@ -242,13 +242,20 @@ impl Vm {
             requests: req_rx,
             shared: self.shared.clone(),
             bus: self.bus.clone(),
+            start_running: !paused,
         };
+        if !paused {
+            // Running from its first instruction: no resume round trip with
+            // a thread the scheduler may take milliseconds to wake (a
+            // post-copy destination's downtime ends here).
+            self.shared.wants_pause.store(false, std::sync::atomic::Ordering::Release);
+            self.shared.set(VcpuStatus::Running);
+        }
         let thread =
             std::thread::Builder::new().name("vcpu0".into()).spawn(move || runner.run()).map_err(VmError::Thread)?;
         self.vcpu = VcpuSlot::Started(VcpuThread { requests: req_tx, thread: Some(thread) });
-        self.shared.wait_for(PAUSE_TIMEOUT, |s| *s != VcpuStatus::Created);
-        if !paused {
-            self.resume()?;
+        if paused {
+            self.shared.wait_for(PAUSE_TIMEOUT, |s| *s != VcpuStatus::Created);
         }
         Ok(())
     }
@@ -268,6 +275,13 @@ impl Vm {
     /// Waits up to `timeout` for the vCPU to leave the Running state.
     pub fn wait_stopped(&self, timeout: Duration) -> VcpuStatus {
         self.shared.wait_for(timeout, |s| s.is_stopped())
+    }
+
+    /// [`Vm::pause`] for a caller that reads the state next
+    /// ([`Vm::save_state`]): the vCPU thread reads it as it stops.
+    pub fn pause_for_state(&self) -> Result<(), VmError> {
+        self.shared.snapshot_wanted.store(true, std::sync::atomic::Ordering::Release);
+        self.pause()
     }
 
     /// Stops guest execution; returns once the vCPU is out of KVM_RUN.
@@ -318,12 +332,20 @@ impl Vm {
                 if !self.shared.get().is_stopped() {
                     return Err(VmError::WrongState("running; pause it first"));
                 }
+                if let Some(state) = self.shared.snapshot.lock().unwrap().clone() {
+                    return self.finish_state(state);
+                }
                 let (tx, rx) = crossbeam_channel::bounded(1);
                 t.requests.send(VcpuRequest::Save(tx)).map_err(|_| VcpuError::Gone)?;
                 rx.recv().map_err(|_| VcpuError::Gone)??
             }
             VcpuSlot::Empty => return Err(VmError::WrongState("being started")),
         };
+        self.finish_state(vcpu)
+    }
+
+    /// The VM's state around a stopped vCPU's: the disk's, flushed.
+    fn finish_state(&self, vcpu: crate::vcpu::VcpuState) -> Result<VmState, VmError> {
         // No request is in flight while the vCPU is out of KVM_RUN (it
         // serves them synchronously); flush so the storage holds every
         // write the guest saw completed before anyone else opens it.

@@ -105,6 +105,34 @@ fn pause_stops_progress_and_resume_restarts_it() {
     assert!(after.first() > before.last(), "{before:?} then {after:?}");
 }
 
+/// The state read by the vCPU thread as it stops is the state a later
+/// read finds; the vCPU runs again afterwards and stops again.
+#[test]
+fn state_read_at_the_pause_is_the_vcpus_state() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let (mut vm, console) = boot(64 << 20, "workload=kv wss=8M");
+    collect(&console, Duration::from_millis(200));
+    vm.pause_for_state().unwrap();
+    let at_pause = vm.save_state().unwrap();
+    // A restore forgets the snapshot: the next read asks the vCPU thread.
+    vm.restore_state(&at_pause).unwrap();
+    let asked = vm.save_state().unwrap();
+    // The registers (the TSC MSR moves on while paused).
+    let regs = |s: &tsubame_vmm::VmState| {
+        let r = &s.vcpus[0].regs;
+        [r.rip, r.rsp, r.rax, r.rbx, r.rcx, r.rdx, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12, r.r13, r.r14, r.r15]
+    };
+    assert!(regs(&at_pause) == regs(&asked), "the snapshot differs from the vCPU's registers");
+    vm.resume().unwrap();
+    let after = ops(&collect(&console, Duration::from_millis(300)));
+    assert!(after.len() >= 2 && after.last() > after.first(), "the guest did not go on: {after:?}");
+    vm.pause_for_state().unwrap();
+    let later = vm.save_state().unwrap();
+    assert!(regs(&later) != regs(&at_pause), "a stale snapshot after the guest ran");
+}
+
 /// Guest ops per second over `span`, from the first progress line to the last.
 fn ops_rate(console: &Receiver<ConsoleLine>, span: Duration) -> f64 {
     let seen: Vec<_> =

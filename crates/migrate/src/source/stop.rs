@@ -36,7 +36,7 @@ impl SourceRun<'_> {
             lap = now;
         };
         let mut breakdown = DowntimeBreakdown::default();
-        vm.pause()?;
+        vm.pause_for_state()?;
         laps(&mut breakdown.pause_ms);
         // Before STATE: the destination drops its stale early copies of
         // the blocks written since the last iteration's list.

@@ -35,6 +35,11 @@ pub trait SourceVm: Sync {
     fn clear_dirty_log(&self, first_page: u64, bits: &[u64]) -> Result<(), VmError>;
     /// Stops the guest.
     fn pause(&self) -> Result<(), VmError>;
+    /// Stops the guest for a caller that asks for [`SourceVm::state_blob`]
+    /// next (a KVM vCPU reads its state as it stops).
+    fn pause_for_state(&self) -> Result<(), VmError> {
+        self.pause()
+    }
     /// Runs the guest again.
     fn resume(&self) -> Result<(), VmError>;
     /// The vCPU and device state as sent in the STATE frame.
@@ -93,6 +98,9 @@ impl SourceVm for Vm {
     }
     fn resume(&self) -> Result<(), VmError> {
         Vm::resume(self)
+    }
+    fn pause_for_state(&self) -> Result<(), VmError> {
+        Vm::pause_for_state(self)
     }
     fn state_blob(&self) -> Result<Vec<u8>, VmError> {
         Ok(self.save_state()?.encode())

@@ -22,7 +22,8 @@ use crate::transport::{Pacer, Stream};
 
 /// What the channel-0 reader hears from the destination.
 pub(super) enum Heard {
-    Running(PostcopyRunning),
+    /// The destination runs the VM; when that was heard.
+    Running(PostcopyRunning, std::time::Instant),
     Done(PostcopyDone),
     Refused(String),
     Lost(String),
@@ -240,7 +241,7 @@ pub(super) fn spawn_reader(
                             Err(e) => Heard::Lost(format!("bad page request: {e}")),
                         },
                         FrameKind::PostcopyRunning => match PostcopyRunning::decode(&frame) {
-                            Ok(running) => Heard::Running(running),
+                            Ok(running) => Heard::Running(running, std::time::Instant::now()),
                             Err(e) => Heard::Lost(e.to_string()),
                         },
                         FrameKind::PostcopyDone => match PostcopyDone::decode(&frame) {
@@ -254,7 +255,7 @@ pub(super) fn spawn_reader(
                     ),
                     Err(e) => Heard::Lost(format!("link lost: {e}")),
                 };
-                let last = !matches!(event, Heard::Running(_));
+                let last = !matches!(event, Heard::Running(..));
                 if heard.send(event).is_err() || last {
                     return;
                 }

@@ -80,7 +80,7 @@ impl SourceRun<'_> {
         let (mut missing, mut last) = self.prepare(&mut writers[0], missing, last_iteration, timeout_ms)?;
         self.enter(SourceState::StopAndCopy);
         let paused = Instant::now();
-        vm.pause()?;
+        vm.pause_for_state()?;
         let mut fresh = vm.dirty_bitmap();
         vm.dirty_log(&mut fresh)?;
         self.skip_unneeded(&mut fresh)?;
@@ -121,19 +121,21 @@ impl SourceRun<'_> {
         // takes a RESUME only once it runs the VM.)
         let mut resumes = 0;
         match link.heard.recv_timeout(self.options.io_timeout) {
-            Ok(Heard::Running(running)) => {
+            Ok(Heard::Running(running, heard_at)) => {
                 self.stats.cpu_seconds.destination = running.cpu_micros as f64 / 1e6;
+                // When the reader heard it, not when this thread woke up.
+                self.stats.downtime_ms = ms(heard_at - paused);
             }
             Ok(Heard::Lost(why)) => {
                 self.enter(SourceState::PostcopyPaused);
                 link = self.reconnect(&why, &outstanding, &counters)?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
+                self.stats.downtime_ms = ms(paused.elapsed());
             }
             Ok(other) => return Err(self.postcopy_failure(other)),
             Err(_) => return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into())),
         }
-        self.stats.downtime_ms = ms(paused.elapsed());
         // Every page that may differ from its last hash, hashed now that
         // the destination runs (this memory no longer changes).
         self.refresh_digest(&rehash);
@@ -387,7 +389,9 @@ impl SourceRun<'_> {
         match heard {
             Heard::Refused(reason) => SourceError::PostcopyLost(format!("destination refused: {reason}")),
             Heard::Lost(why) => SourceError::PostcopyLost(why),
-            Heard::Running(_) | Heard::Done(_) => SourceError::PostcopyLost("the destination spoke out of turn".into()),
+            Heard::Running(..) | Heard::Done(_) => {
+                SourceError::PostcopyLost("the destination spoke out of turn".into())
+            }
         }
     }
 }
