@@ -138,6 +138,10 @@ const SHORT_EXPOSURE: Duration = Duration::from_millis(250);
 /// fast over a short look and slower over a long one (its rewrites of the
 /// same pages stop counting), so the short look asks for a wide margin.
 const FAR_FROM_CONVERGING: f64 = 2.0;
+/// A rate seen over twice the short look that holds at least this share
+/// of the short look's is the guest's own, not a small hot set's (whose
+/// rate halves as the look doubles): then [`NOT_CONVERGING`] suffices.
+const STEADY: f64 = 0.8;
 /// How often a long first iteration checks the guest's dirtying.
 const CHECK_EVERY: Duration = Duration::from_millis(100);
 
@@ -165,8 +169,9 @@ impl HandoverWatch {
 
     /// True when the pages out for about [`EXPOSURE`] show the guest
     /// dirtying memory at [`NOT_CONVERGING`] of `link` bytes per second or
-    /// more, or those out for about [`SHORT_EXPOSURE`] show it at
-    /// [`FAR_FROM_CONVERGING`] of it. `dirty` is a fresh look at the dirty
+    /// more, or those out for about twice [`SHORT_EXPOSURE`] do and the
+    /// rate is [`STEADY`], or those out for about [`SHORT_EXPOSURE`] show
+    /// it at [`FAR_FROM_CONVERGING`] of it. `dirty` is a fresh look at the dirty
     /// log (KVM's bits stay set until cleared, so it shows what was written
     /// since each run went out); `peek` fills it and returns false when it
     /// cannot look.
@@ -183,6 +188,7 @@ impl HandoverWatch {
         }
         self.last_check = now;
         let long = self.sample(now, EXPOSURE);
+        let mid = self.sample(now, 2 * SHORT_EXPOSURE);
         let short = self.sample(now, SHORT_EXPOSURE);
         if short.len() < 4 || !peek(dirty) {
             return false;
@@ -198,7 +204,12 @@ impl HandoverWatch {
             // The share of memory dirtied per second of exposure, of all memory.
             dirtied as f64 / pages.max(1) as f64 * pages_total as f64 / exposure * PAGE_SIZE as f64
         };
-        (long.len() >= 4 && rate(&long) >= NOT_CONVERGING * link) || rate(&short) >= FAR_FROM_CONVERGING * link
+        let short_rate = rate(&short);
+        let steady = mid.len() >= 4 && {
+            let mid_rate = rate(&mid);
+            mid_rate >= NOT_CONVERGING * link && mid_rate >= STEADY * short_rate
+        };
+        (long.len() >= 4 && rate(&long) >= NOT_CONVERGING * link) || steady || short_rate >= FAR_FROM_CONVERGING * link
     }
 
     /// The runs out between one and two `exposure`s ago (all older ones if
@@ -220,12 +231,16 @@ impl Default for HandoverWatch {
     }
 }
 
-/// The order in which a first iteration visits `chunks` runs of memory:
-/// every 16th first, then the ones after them, so that whatever went out
-/// so far samples all of memory evenly ([`HandoverWatch`]).
+/// Chunk indices `0..chunks` in bit-reversed order: any first few of
+/// them spread evenly over all of memory (0, ½, ¼, ¾, ⅛ …), so what went
+/// out so far samples it evenly from the start. (Every 16th chunk in
+/// turn did not: its first pass alone took 2 s of a 4 GiB VM at 1 Gbit/s,
+/// all of it in low memory, blind to a guest filling high memory.)
 pub fn strided(chunks: usize) -> impl Iterator<Item = usize> {
-    const STRIDE: usize = 16;
-    (0..STRIDE).flat_map(move |phase| (phase..chunks).step_by(STRIDE))
+    let bits = chunks.next_power_of_two().trailing_zeros();
+    (0..chunks.next_power_of_two())
+        .map(move |i| if bits == 0 { 0 } else { i.reverse_bits() >> (usize::BITS - bits) })
+        .filter(move |&c| c < chunks)
 }
 
 #[cfg(test)]
@@ -264,7 +279,13 @@ mod tests {
     fn strided_order_visits_every_chunk_once() {
         let order: Vec<usize> = strided(40).collect();
         assert_eq!(order.len(), 40);
-        assert_eq!(&order[..3], &[0, 16, 32]);
+        assert_eq!(&order[..4], &[0, 32, 16, 8]);
+        // The first eight already hit every eighth of memory but the last
+        // (40 of 64 slots exist).
+        let eighths: std::collections::BTreeSet<usize> = order[..8].iter().map(|c| c * 8 / 40).collect();
+        assert!(eighths.len() >= 5, "{:?}", &order[..8]);
+        assert_eq!(strided(1).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(strided(0).count(), 0);
         let mut sorted = order.clone();
         sorted.sort();
         assert_eq!(sorted, (0..40).collect::<Vec<_>>());
@@ -321,6 +342,35 @@ mod tests {
         // look has nothing to say yet.
         watch.last_check = lately;
         assert!(!watch.handover(150e6, 65536, &mut DirtyBitmap::new(65536), mark(256)), "~220 MB/s vs 150 MB/s");
+    }
+
+    #[test]
+    fn handover_after_half_a_second_when_the_rate_holds() {
+        // Runs out 0.3 s ago (pages 0..16k) and 0.6 s ago (16k..32k).
+        let now = std::time::Instant::now();
+        let mut watch = HandoverWatch::new();
+        for i in 0..16u64 {
+            watch.sent.push((now - Duration::from_millis(600), 16384 + i * 1024, 1024));
+            watch.sent.push((now - Duration::from_millis(300), i * 1024, 1024));
+        }
+        // A share of each run dirtied again: `short` of the recent ones,
+        // `mid` of the older ones.
+        let mark = |short: u64, mid: u64| {
+            move |d: &mut DirtyBitmap| {
+                for i in 0..16u64 {
+                    (0..short).for_each(|p| d.set(i * 1024 + p));
+                    (0..mid).for_each(|p| d.set(16384 + i * 1024 + p));
+                }
+                true
+            }
+        };
+        // 65536 pages of 4 KiB: 30 % of memory in 0.3 s, 60 % in 0.6 s is
+        // ~270 MB/s either way, above 0.9 of a 250 MB/s link.
+        watch.last_check = now - Duration::from_secs(1);
+        assert!(watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 614)), "a steady 270 MB/s");
+        // A hot set: the same share in 0.3 s and in 0.6 s (the rate halves).
+        watch.last_check = now - Duration::from_secs(1);
+        assert!(!watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 307)), "a hot set");
     }
 
     #[test]
