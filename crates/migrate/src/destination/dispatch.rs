@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::error::ReceiveError;
-use super::postcopy::PostcopyShared;
+use super::postcopy::{PostcopyShared, Unpacker};
 use crate::buffer_budget::{recycle, BufferBudget, Lease};
 use crate::protocol::pages::shard_of;
 use crate::protocol::{self, ChannelOpen, FrameKind, IterationEnd, ShardLayout, WireError};
@@ -218,12 +218,14 @@ pub(super) fn stopped() -> ReceiveError {
 pub(super) fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<AtomicU64>, shared: Arc<Shared>) {
     let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes };
     let mut frame = LeasedFrame::new(shared.budget.clone(), shared.stopped.clone());
+    let mut unpacker = Unpacker::default();
     loop {
         let result = match frame.read(&mut reader) {
             Ok(kind) if kind.carries_pages() => dispatch.pages(kind, &mut frame),
-            Ok(FrameKind::PostcopyPages) => match shared.postcopy.get() {
-                Some(postcopy) => postcopy.install_frame(&frame.buf),
-                None => Err(WireError::Unexpected { got: FrameKind::PostcopyPages, expected: "PAGES" }.into()),
+            Ok(kind @ (FrameKind::PostcopyPages | FrameKind::PostcopyPagesCompressed)) => match shared.postcopy.get() {
+                Some(postcopy) if kind == FrameKind::PostcopyPages => postcopy.install_frame(&frame.buf),
+                Some(postcopy) => postcopy.install_compressed(&frame.buf, &mut unpacker),
+                None => Err(WireError::Unexpected { got: kind, expected: "PAGES" }.into()),
             },
             Ok(FrameKind::IterationEnd) => dispatch.end(&frame.buf).map(|_| ()),
             Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),

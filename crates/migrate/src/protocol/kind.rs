@@ -12,7 +12,8 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// memory: FAR_MEMORY, FAR_PAGES, and the digest's page hash became the
 /// low half of xxh3-128, what far memory keeps of each far copy; 6
 /// POSTCOPY_PREPARE and POSTCOPY_PREPARED: the destination drops stale
-/// pages while the guest still runs at the source).
+/// pages while the guest still runs at the source; and
+/// POSTCOPY_PAGES_COMPRESSED).
 pub const VERSION: u32 = 6;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
@@ -89,6 +90,9 @@ pub enum FrameKind {
     PostcopyPrepare = 27,
     /// The destination dropped the pages of the last POSTCOPY_PREPARE.
     PostcopyPrepared = 28,
+    /// A POSTCOPY_PAGES payload compressed by lz4 or zstd (the background
+    /// push's, while compressing pays).
+    PostcopyPagesCompressed = 29,
 }
 
 impl FrameKind {
@@ -124,6 +128,7 @@ impl FrameKind {
             26 => FarPages,
             27 => PostcopyPrepare,
             28 => PostcopyPrepared,
+            29 => PostcopyPagesCompressed,
             _ => return None,
         })
     }

@@ -158,7 +158,7 @@ impl ReceiverState {
                 R::Ready => kind == Commit,
                 R::Preparing => matches!(kind, PostcopyPrepare | Postcopy | DiskWritten),
                 R::Switching => kind == State,
-                R::Postcopy => matches!(kind, PostcopyPages | Digest),
+                R::Postcopy => matches!(kind, PostcopyPages | PostcopyPagesCompressed | Digest),
                 R::Committed => false,
             }
     }
@@ -193,7 +193,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 26] = [
+    const ALL: [FrameKind; 27] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -220,6 +220,7 @@ mod tests {
         FrameKind::WarmData,
         FrameKind::PostcopyPrepare,
         FrameKind::PostcopyPrepared,
+        FrameKind::PostcopyPagesCompressed,
     ];
 
     #[test]
@@ -229,7 +230,7 @@ mod tests {
         assert_eq!(accepted(R::Hello), 2);
         assert_eq!(accepted(R::Iterating), 11);
         assert_eq!(accepted(R::Preparing), 4);
-        assert_eq!(accepted(R::Postcopy), 3);
+        assert_eq!(accepted(R::Postcopy), 4);
         assert_eq!(accepted(R::Repairing), 4);
         assert_eq!(accepted(R::Committed), 1);
         assert!(R::Iterating.check(FrameKind::Commit).unwrap_err().to_string().contains("STATE"));

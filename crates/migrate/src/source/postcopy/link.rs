@@ -7,10 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
+use tsubame_codec::batch::{BatchCodec, BatchCompressor};
+use tsubame_codec::chooser::Payoff;
 use tsubame_codec::zero::is_zero;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
 
-use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
+use crate::protocol::pages::{CompressedHeader, Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
     self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
@@ -68,17 +70,78 @@ impl Outstanding {
     }
 }
 
-/// Builds POSTCOPY_PAGES frames of raw and zero records from a paused VM.
+/// Builds POSTCOPY_PAGES frames of raw and zero records from a paused VM,
+/// compressed (POSTCOPY_PAGES_COMPRESSED) while that pays.
 pub(super) struct PageFrames {
     builder: PagesBuilder,
     page: [u8; PAGE_SIZE],
     out: Vec<u8>,
     pub(super) zero: u64,
+    pub(super) packer: Option<Packer>,
+}
+
+/// Compresses the push's frames while that pays at its bandwidth.
+pub(super) struct Packer {
+    compressor: BatchCompressor,
+    payoff: Payoff,
+    packed: Vec<u8>,
+    /// Bytes per second the push goes at.
+    pub(super) bandwidth: f64,
+    /// Bytes compressed, and what they became.
+    pub(super) bytes_in: u64,
+    pub(super) bytes_out: u64,
+}
+
+impl Packer {
+    pub(super) fn new(codec: BatchCodec, bandwidth: f64) -> Packer {
+        Packer {
+            compressor: BatchCompressor::new(codec),
+            payoff: Payoff::default(),
+            packed: Vec::new(),
+            bandwidth,
+            bytes_in: 0,
+            bytes_out: 0,
+        }
+    }
+
+    /// The codec's name.
+    pub(super) fn name(&self) -> &'static str {
+        self.compressor.codec().name()
+    }
+
+    /// Appends `payload` as a frame: compressed when the codec is on and
+    /// the result is smaller.
+    fn frame(&mut self, payload: &[u8], out: &mut Vec<u8>) {
+        if self.payoff.enabled() {
+            let start = std::time::Instant::now();
+            self.compressor.compress(payload, &mut self.packed);
+            let packed = CompressedHeader::LEN + self.packed.len();
+            self.payoff.record(start.elapsed().as_secs_f64(), payload.len(), packed.min(payload.len()), self.bandwidth);
+            if packed < payload.len() {
+                self.bytes_in += payload.len() as u64;
+                self.bytes_out += packed as u64;
+                let mut header = Vec::with_capacity(packed);
+                let codec = self.compressor.codec();
+                CompressedHeader { shard: 0, compressor: codec.id(), unpacked_len: payload.len() as u32 }
+                    .write(&mut header);
+                header.extend_from_slice(&self.packed);
+                protocol::write_frame(out, FrameKind::PostcopyPagesCompressed, &header).expect("Vec writes");
+                return;
+            }
+        }
+        protocol::write_frame(out, FrameKind::PostcopyPages, payload).expect("Vec writes");
+    }
 }
 
 impl PageFrames {
     pub(super) fn new() -> PageFrames {
-        PageFrames { builder: PagesBuilder::new(RECORDS_PER_FRAME), page: [0; PAGE_SIZE], out: Vec::new(), zero: 0 }
+        PageFrames {
+            builder: PagesBuilder::new(RECORDS_PER_FRAME),
+            page: [0; PAGE_SIZE],
+            out: Vec::new(),
+            zero: 0,
+            packer: None,
+        }
     }
 
     /// The frames carrying `pages`, read from a paused VM's memory.
@@ -95,7 +158,11 @@ impl PageFrames {
                     self.builder.push(index, Encoding::Raw, &self.page);
                 }
             }
-            protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload()).expect("Vec writes");
+            match &mut self.packer {
+                Some(packer) => packer.frame(self.builder.payload(), &mut self.out),
+                None => protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload())
+                    .expect("Vec writes"),
+            }
         }
         Ok(&self.out)
     }

@@ -16,9 +16,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use self::link::{Connections, Counters, Heard, Link, Outstanding, PageFrames};
+use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, PageFrames};
 use super::send::write_frame_flushed;
 use super::{ms, SourceError, SourceRun};
 use crate::protocol::{
@@ -157,6 +158,10 @@ impl SourceRun<'_> {
         };
         rate.set(PUSH_SHARE_FAULTING);
         let mut frames = PageFrames::new();
+        // Compressed while it pays at the push's rate (pages a guest wrote
+        // a few words of shrink a lot, random bytes not at all).
+        let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
+        frames.packer = Some(Packer::new(codec, if bandwidth.is_finite() { bandwidth } else { f64::INFINITY }));
         let done = loop {
             match self.push_until_done(&mut link, &outstanding, &mut frames, &counters, &mut rate) {
                 Ok(done) => break done,
@@ -176,6 +181,11 @@ impl SourceRun<'_> {
         stats.pages_pushed = counters.pushed.load(Ordering::Relaxed);
         stats.pages_sent_on_request = counters.urgent_pages.load(Ordering::Relaxed);
         stats.pages_zero = frames.zero;
+        if let Some(packer) = frames.packer.as_ref().filter(|p| p.bytes_in > 0) {
+            let codec = self.stats.codec.entry(format!("{} (post-copy)", packer.name())).or_default();
+            codec.bytes_in += packer.bytes_in;
+            codec.bytes_out += packer.bytes_out;
+        }
         stats.pages_requested = done.requested;
         stats.faults = done.faults;
         stats.fault_latency_p50_us = done.latency_p50_us;

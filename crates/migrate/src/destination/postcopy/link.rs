@@ -1,0 +1,119 @@
+//! Post-copy's connections at the destination: channel 0's reader, the
+//! request connection's, and taking back a cut link.
+
+use std::io::{Read, Write};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+
+use super::shared::PostcopyShared;
+use crate::destination::error::ReceiveError;
+use crate::protocol::{self, ErrorMessage, FrameKind, Resume, ResumeAck, WireError};
+use crate::transport::{Listener, Security, Stream};
+
+/// How a cut link comes back: the source reconnects to this listener and
+/// names its session.
+pub(crate) struct Reconnect {
+    /// A handle on the listener the migration came in on.
+    pub(crate) listener: Listener,
+    /// What a reconnecting source must pass.
+    pub(crate) security: Security,
+    /// The migration's HELLO session.
+    pub(crate) session: u64,
+    /// The request connection's channel number.
+    pub(crate) urgent_channel: u16,
+}
+
+/// What channel 0's reader threads and the acceptor tell the phase.
+pub(super) enum Event {
+    Frame(FrameKind, Vec<u8>),
+    /// Channel 0 of the given link (0 first, 1 after the first resume...)
+    /// broke.
+    Lost(u64, String),
+    /// A reconnected channel 0: its stream.
+    Resumed(Stream),
+}
+
+/// Reads channel 0's frames on a thread of its own, so the phase can wait
+/// for frames, a reconnection and its deadlines at once.
+pub(super) fn spawn_reader(mut reader: Box<dyn Read + Send>, link: u64, events: Sender<Event>) {
+    let _ = std::thread::Builder::new().name("postcopy-ch0".into()).spawn(move || loop {
+        let mut frame = Vec::new();
+        match protocol::read_frame(&mut reader, &mut frame) {
+            Ok(kind) => {
+                if events.send(Event::Frame(kind, frame)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = events.send(Event::Lost(link, format!("link to the source lost: {e}")));
+                return;
+            }
+        }
+    });
+}
+
+/// Reads a request connection's POSTCOPY_PAGES until it closes.
+pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
+    let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+        let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
+        let mut frame = Vec::new();
+        while !shared.stop.load(Ordering::Acquire) {
+            match protocol::read_frame(&mut reader, &mut frame) {
+                Ok(FrameKind::PostcopyPages) => {
+                    if let Err(e) = shared.install_frame(&frame) {
+                        shared.fail(format!("request connection: {e}"));
+                    }
+                }
+                Ok(other) => shared.fail(format!("request connection: unexpected {other:?}")),
+                // The source closes it when done; channel 0 tells a cut.
+                Err(_) => return,
+            }
+        }
+    });
+}
+
+/// Takes reconnections: a RESUME of channel 0 goes to the phase (after
+/// RESUME_ACK with the pages still missing), one of the request channel
+/// gets a reader; anything else is refused.
+pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, events: Sender<Event>) {
+    let _ = std::thread::Builder::new().name("postcopy-accept".into()).spawn(move || {
+        let stop = || shared.stop.load(Ordering::Acquire);
+        while !stop() {
+            let Ok(Some(stream)) = reconnect.listener.accept_until(&stop) else { continue };
+            let Ok(stream) = reconnect.security.accepted(stream) else { continue };
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+            let result = (|| -> Result<Option<Stream>, ReceiveError> {
+                let mut io = stream.try_clone()?;
+                protocol::read_preamble(&mut io)?;
+                protocol::write_preamble(&mut io, protocol::VERSION)?;
+                let mut frame = Vec::new();
+                let resume = match protocol::read_frame(&mut io, &mut frame)? {
+                    FrameKind::Resume => Resume::decode(&frame)?,
+                    other => return Err(WireError::Unexpected { got: other, expected: "RESUME" }.into()),
+                };
+                if resume.session != reconnect.session {
+                    let refusal = ErrorMessage("no post-copy migration of that session here".into()).encode();
+                    let _ = protocol::write_frame(&mut io, FrameKind::Error, &refusal);
+                    return Ok(None);
+                }
+                if resume.channel == reconnect.urgent_channel {
+                    spawn_urgent(shared.clone(), stream.try_clone()?);
+                    return Ok(None);
+                }
+                let ack = ResumeAck { missing: shared.missing_now() }.encode();
+                protocol::write_frame(&mut io, FrameKind::ResumeAck, &ack)?;
+                io.flush()?;
+                Ok(Some(stream.try_clone()?))
+            })();
+            if let Ok(Some(stream)) = result {
+                let _ = stream.set_read_timeout(None);
+                if events.send(Event::Resumed(stream)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+}

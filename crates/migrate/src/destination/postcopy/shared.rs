@@ -1,0 +1,290 @@
+//! What the post-copy threads share: missing pages, faults, the link's
+//! state, and installing what arrives.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tsubame_codec::batch::BatchDecompressor;
+use tsubame_farmem::FarReader;
+use tsubame_vmm::memory::{self, GuestMemory};
+use tsubame_vmm::uffd::{Installed, PageFaults};
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
+use vm_memory::bitmap::AtomicBitmap;
+
+use crate::destination::error::ReceiveError;
+use crate::digest::{page_hash, region_hashes, zero_page_hash, FarPageHashes};
+use crate::protocol::pages::{for_each_record, CompressedHeader, Encoding, MAX_UNPACKED};
+use crate::protocol::{self, FrameKind, PageRequest, WireError};
+use crate::stats::process_cpu_seconds;
+
+/// A channel back to the source, shared by the receiver and the fault
+/// thread.
+pub type BackChannel = Arc<Mutex<Box<dyn Write + Send>>>;
+
+/// The guest's progress counter, with where it stood when watching began.
+pub(super) type GuestOps = (Box<dyn Fn() -> u64 + Send + Sync>, u64, Instant);
+
+/// What the post-copy threads share.
+pub(crate) struct PostcopyShared {
+    pub(super) faults: Arc<PageFaults>,
+    /// A VM with far memory: its far pages, read from the memory host when
+    /// touched. Memory stays registered once every page is here: far
+    /// memory takes the registration over.
+    pub(super) far: Option<(Mutex<FarReader>, Arc<FarPageHashes>)>,
+    pub(super) mem: Arc<GuestMemory>,
+    pub(super) pages: u64,
+    /// Pages still missing here.
+    pub(super) missing: AtomicBitmap,
+    pub(super) remaining: AtomicU64,
+    /// Each page's hash as received (or as held at the switch).
+    pub(super) page_hashes: Vec<AtomicU64>,
+    /// Pages asked for and not arrived yet.
+    pub(super) requested: Mutex<HashSet<u64>>,
+    pub(super) requests_sent: AtomicU64,
+    pub(super) back: BackChannel,
+    /// Every page is here (`remaining` reached zero), or a failure.
+    pub(super) settled: (Mutex<bool>, Condvar),
+    pub(super) failure: Mutex<Option<String>>,
+    pub(super) stop: AtomicBool,
+    pub(super) guest_ops: Mutex<Option<GuestOps>>,
+    pub(super) started: Instant,
+    pub(super) cpu_at_start: f64,
+    /// False while the link to the source is cut.
+    pub(super) link_up: AtomicBool,
+    /// How long a cut link is waited for.
+    pub(super) timeout: Duration,
+    /// Times the link came back.
+    pub(super) resumes: AtomicU64,
+}
+
+impl PostcopyShared {
+    /// Registers `mem` for faults, drops the `missing` pages, and takes the
+    /// page hashes of what is held (`held_hashes`, from the digest).
+    pub(crate) fn start(
+        mem: Arc<GuestMemory>,
+        missing: &DirtyBitmap,
+        held_hashes: Vec<u64>,
+        back: BackChannel,
+        timeout: Duration,
+        far: Option<(FarReader, Arc<FarPageHashes>)>,
+    ) -> Result<Arc<PostcopyShared>, ReceiveError> {
+        let faults = PageFaults::register(&mem).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        faults.discard_set(missing).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        let pages = memory::page_count(&mem);
+        let marks = AtomicBitmap::new(pages as usize * PAGE_SIZE, NonZeroUsize::new(PAGE_SIZE).expect("non-zero"));
+        for p in missing.iter() {
+            marks.set_bit(p as usize);
+        }
+        Ok(Arc::new(PostcopyShared {
+            faults: Arc::new(faults),
+            far: far.map(|(reader, map)| (Mutex::new(reader), map)),
+            mem,
+            pages,
+            missing: marks,
+            remaining: AtomicU64::new(missing.count()),
+            page_hashes: held_hashes.into_iter().map(AtomicU64::new).collect(),
+            requested: Mutex::default(),
+            requests_sent: AtomicU64::new(0),
+            back,
+            settled: (Mutex::new(missing.is_empty()), Condvar::new()),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            guest_ops: Mutex::new(None),
+            started: Instant::now(),
+            cpu_at_start: process_cpu_seconds(),
+            link_up: AtomicBool::new(true),
+            timeout,
+            resumes: AtomicU64::new(0),
+        }))
+    }
+
+    /// Pages of guest memory.
+    pub(crate) fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Drops the pages of `more` too: they went stale at the source since
+    /// the last look. Only before the VM runs here (nothing faults yet).
+    pub(crate) fn add_missing(&self, more: &DirtyBitmap) -> Result<(), ReceiveError> {
+        let mut new = DirtyBitmap::new(self.pages);
+        for p in more.iter().filter(|&p| !self.missing.is_bit_set(p as usize)) {
+            new.set(p);
+        }
+        self.faults.discard_set(&new).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
+        for p in new.iter() {
+            self.missing.set_bit(p as usize);
+        }
+        let added = new.count();
+        if added > 0 {
+            self.remaining.fetch_add(added, Ordering::AcqRel);
+            *self.settled.0.lock().unwrap() = false;
+        }
+        Ok(())
+    }
+
+    /// Installs the pages of a POSTCOPY_PAGES_COMPRESSED frame.
+    pub(crate) fn install_compressed(&self, payload: &[u8], unpacker: &mut Unpacker) -> Result<(), ReceiveError> {
+        let (header, packed) = CompressedHeader::parse(payload)?;
+        unpacker
+            .decompressor
+            .decompress(header.compressor, packed, header.unpacked_len as usize, MAX_UNPACKED, &mut unpacker.buf)
+            .map_err(|e| WireError::bad("postcopy_pages_compressed", e.to_string()))?;
+        self.install_frame(&unpacker.buf)
+    }
+
+    /// Installs the pages of a POSTCOPY_PAGES frame (raw and zero records).
+    /// Pages may come twice (asked for and pushed); once every page is
+    /// here the rest are duplicates and are dropped.
+    pub(crate) fn install_frame(&self, payload: &[u8]) -> Result<(), ReceiveError> {
+        for_each_record(payload, self.pages, PAGE_SIZE, |record| {
+            if self.remaining.load(Ordering::Acquire) == 0 {
+                return Ok(());
+            }
+            let page = record.page_index;
+            let (installed, hash) = match record.encoding {
+                Encoding::Raw => {
+                    let data: &[u8; PAGE_SIZE] = record.data.try_into().expect("checked length");
+                    (self.faults.install(page, data), page_hash(data))
+                }
+                Encoding::Zero => (self.faults.install_zero(page), zero_page_hash()),
+                other => {
+                    return Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw or zero only)")))
+                }
+            };
+            let installed = match installed {
+                Ok(installed) => installed,
+                // The last page came meanwhile and memory was unregistered.
+                Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
+                Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
+            };
+            if installed == Installed::Now && self.missing.is_bit_set(page as usize) {
+                self.missing.reset_bit(page as usize);
+                self.page_hashes[page as usize].store(hash, Ordering::Relaxed);
+                self.requested.lock().unwrap().remove(&page);
+                if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    // Every page is here: faults are the kernel's again (a
+                    // page never populated reads as zeros), and huge pages
+                    // may back memory from now on. Not with far memory,
+                    // which takes the registration over.
+                    if self.far.is_none() {
+                        let _ = self.faults.unregister();
+                        memory::advise_hugepages(&self.mem);
+                    }
+                    self.settle();
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    pub(super) fn settle(&self) {
+        *self.settled.0.lock().unwrap() = true;
+        self.settled.1.notify_all();
+    }
+
+    /// Ends the phase with a failure (the first one counts). The missing
+    /// pages stay unresolvable: the guest blocks on them rather than read
+    /// zeros (the VM is lost, never corrupted).
+    pub(crate) fn fail(&self, why: String) {
+        self.failure.lock().unwrap().get_or_insert(why);
+        if self.remaining.load(Ordering::Acquire) > 0 {
+            let _ = self.faults.freeze();
+        }
+        self.stop.store(true, Ordering::Release);
+        self.settle();
+    }
+
+    /// Serves faults until every page is here or the phase fails: asks the
+    /// source for missing pages, installs known-zero ones. While the link
+    /// is cut the asked-for pages wait in `requested`; they are asked
+    /// again when it comes back.
+    pub(super) fn fault_loop(&self) {
+        let mut faults = Vec::new();
+        let mut ask = Vec::new();
+        while !self.stop.load(Ordering::Acquire) && self.remaining.load(Ordering::Acquire) > 0 {
+            if let Err(e) = self.faults.wait_faults(Duration::from_millis(50), &mut faults) {
+                self.fail(format!("serving page faults: {e}"));
+                return;
+            }
+            {
+                let mut requested = self.requested.lock().unwrap();
+                for fault in faults.drain(..) {
+                    if self.missing.is_bit_set(fault.page as usize) {
+                        if requested.insert(fault.page) {
+                            ask.push(fault.page);
+                        }
+                    } else if let Err(e) = self.install_not_missing(fault.page) {
+                        drop(requested);
+                        self.fail(e);
+                        return;
+                    }
+                }
+            }
+            if !ask.is_empty() && self.link_up.load(Ordering::Acquire) {
+                // A failed ask is a cut link: channel 0's reader reports
+                // it and the phase waits for it to come back.
+                let _ = self.ask(&ask);
+            }
+            ask.clear();
+        }
+    }
+
+    /// Installs a page the source does not send: its far copy for a far
+    /// page, else zeros (never populated, never missing).
+    pub(super) fn install_not_missing(&self, page: u64) -> Result<(), String> {
+        match &self.far {
+            Some((reader, map)) if map.far.get(page) => {
+                let mut data = [0u8; PAGE_SIZE];
+                let hash = map.hashes[page as usize];
+                reader.lock().unwrap().read_page(page, hash, &mut data).map_err(|e| e.to_string())?;
+                self.faults.install(page, &data).map(drop).map_err(|e| format!("installing a far page: {e}"))
+            }
+            _ => self.faults.install_zero(page).map(drop).map_err(|e| format!("installing a zero page: {e}")),
+        }
+    }
+
+    /// Asks the source for `pages`.
+    pub(super) fn ask(&self, pages: &[u64]) -> std::io::Result<()> {
+        let mut back = self.back.lock().unwrap();
+        for chunk in pages.chunks(protocol::MAX_REQUEST) {
+            let request = PageRequest { pages: chunk.to_vec() }.encode();
+            protocol::write_frame(&mut *back, FrameKind::PageRequest, &request)?;
+            self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
+        back.flush()
+    }
+
+    /// True when every page is here (or the phase failed).
+    pub(super) fn settled(&self) -> bool {
+        *self.settled.0.lock().unwrap()
+    }
+
+    /// The pages still missing.
+    pub(super) fn missing_now(&self) -> DirtyBitmap {
+        let mut missing = DirtyBitmap::new(self.pages);
+        for p in 0..self.pages {
+            if self.missing.is_bit_set(p as usize) {
+                missing.set(p);
+            }
+        }
+        missing
+    }
+
+    /// The digest of memory as received, from every page's hash.
+    pub(super) fn digest(&self, region: u32) -> Vec<u64> {
+        let pages: Vec<u64> = self.page_hashes.iter().map(|h| h.load(Ordering::Relaxed)).collect();
+        region_hashes(&pages, region)
+    }
+}
+
+/// What a thread that reads compressed post-copy frames keeps.
+#[derive(Default)]
+pub(crate) struct Unpacker {
+    decompressor: BatchDecompressor,
+    buf: Vec<u8>,
+}
