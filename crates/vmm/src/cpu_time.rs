@@ -1,4 +1,5 @@
-//! Facts about the host process that the engine measures itself with.
+//! Facts about the host process that the engine measures itself with,
+//! and the share of the CPU its threads ask for.
 
 /// CPU-seconds (user + system) of this process or thread so far.
 fn cpu_seconds(who: libc::c_int) -> f64 {
@@ -21,4 +22,94 @@ pub fn process_cpu_seconds() -> f64 {
 /// The calling thread's CPU-seconds.
 pub fn thread_cpu_seconds() -> f64 {
     cpu_seconds(libc::RUSAGE_THREAD)
+}
+
+/// Asks the scheduler to let every normal thread go first whenever the
+/// calling thread competes with one (nice 10) until the guard drops: for
+/// bulk work, such as post-copy's background push, that must not delay a
+/// fault's service on a host with few cores. Best effort: a refusal
+/// leaves the thread as it was.
+pub fn lower_thread_priority() -> LoweredPriority {
+    let tid = thread_id();
+    // SAFETY: getpriority and setpriority take and return plain integers;
+    // the target is this thread. (-1 is also a valid nice value: errno is
+    // not checked, the restore is best effort too.)
+    let before = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+    // SAFETY: as above.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 10) };
+    LoweredPriority { before, _this_thread: std::marker::PhantomData }
+}
+
+/// Restores the thread's priority when dropped (on the thread that made it).
+pub struct LoweredPriority {
+    before: libc::c_int,
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for LoweredPriority {
+    fn drop(&mut self) {
+        // SAFETY: as in lower_thread_priority.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, thread_id(), self.before) };
+    }
+}
+
+fn thread_id() -> libc::id_t {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as libc::id_t }
+}
+
+/// Runs the calling thread first whenever it is ready to run (SCHED_FIFO,
+/// the lowest real-time priority) until the guard drops: for the few
+/// milliseconds of a migration's switch, whose threads otherwise wait for
+/// a CPU behind a running guest (on a host with few cores a wake-up took
+/// 2-3 ms of a switch that needs 0.5). Such a thread must block, never
+/// spin, and threads it starts inherit the policy. Best effort: without
+/// CAP_SYS_NICE nothing changes.
+pub fn realtime_thread() -> Realtime {
+    let tid = thread_id() as libc::pid_t;
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: sched_setscheduler reads the param struct, which lives
+    // across the call; the target is this thread.
+    let set = unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) } == 0;
+    Realtime { set, _this_thread: std::marker::PhantomData }
+}
+
+/// Puts the thread back under the normal scheduler when dropped.
+pub struct Realtime {
+    set: bool,
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for Realtime {
+    fn drop(&mut self) {
+        if self.set {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: as in realtime_thread.
+            unsafe { libc::sched_setscheduler(thread_id() as libc::pid_t, libc::SCHED_OTHER, &param) };
+        }
+    }
+}
+
+/// Makes thread `tid` of this process run first whenever it is ready
+/// (SCHED_FIFO, lowest priority): for a vCPU thread about to be stopped,
+/// which must get a CPU at once to notice (it puts itself back with
+/// [`normal_thread`] as it stops). Best effort, as [`realtime_thread`].
+pub fn hurry_thread(tid: libc::pid_t) {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: as in realtime_thread; `tid` names a thread of this process.
+    unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) };
+}
+
+/// This thread's kernel id.
+pub fn current_thread_id() -> libc::pid_t {
+    thread_id() as libc::pid_t
+}
+
+/// Puts the calling thread under the normal scheduler, whatever its
+/// creator's policy: a vCPU thread runs guest code for as long as it may,
+/// and must never do so ahead of every other thread.
+pub fn normal_thread() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in realtime_thread.
+    unsafe { libc::sched_setscheduler(thread_id() as libc::pid_t, libc::SCHED_OTHER, &param) };
 }

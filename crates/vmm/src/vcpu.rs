@@ -168,6 +168,8 @@ pub(crate) struct VcpuShared {
     /// The state read as the vCPU last stopped, while nothing has changed
     /// it since (cleared when it runs or is restored).
     pub snapshot: Mutex<Option<VcpuState>>,
+    /// The vCPU thread's kernel id once it runs (0 before).
+    pub thread_id: std::sync::atomic::AtomicI32,
 }
 
 impl VcpuShared {
@@ -179,6 +181,7 @@ impl VcpuShared {
             throttle_per_mille: AtomicU32::new(0),
             snapshot_wanted: AtomicBool::new(false),
             snapshot: Mutex::new(None),
+            thread_id: std::sync::atomic::AtomicI32::new(0),
         }
     }
 
@@ -304,6 +307,8 @@ fn throttle_kicker(shared: Arc<VcpuShared>, vcpu: OwnThread, done: Arc<AtomicBoo
 impl VcpuRunner {
     /// The thread body: wait for the first resume, then run until stopped.
     pub fn run(mut self) {
+        crate::cpu_time::normal_thread();
+        self.shared.thread_id.store(crate::cpu_time::current_thread_id(), Ordering::Release);
         let exit_flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(exit_flag));
         // SAFETY: pthread_self has no preconditions.
@@ -366,6 +371,9 @@ impl VcpuRunner {
             *self.shared.snapshot.lock().unwrap() = save_state(&self.fd, &self.msr_indices).ok();
         }
         self.shared.set(status);
+        // A pause may have hurried this thread (Vm::pause_for_state); the
+        // pause is told first (going back may give the CPU away at once).
+        crate::cpu_time::normal_thread();
         loop {
             let Ok(req) = self.requests.recv() else { return false };
             match req {

@@ -281,6 +281,13 @@ impl Vm {
     /// ([`Vm::save_state`]): the vCPU thread reads it as it stops.
     pub fn pause_for_state(&self) -> Result<(), VmError> {
         self.shared.snapshot_wanted.store(true, std::sync::atomic::Ordering::Release);
+        // A migration's downtime starts now: the vCPU thread must not wait
+        // for a CPU behind other threads to notice the kick (it goes back
+        // to the normal scheduler as it stops).
+        let tid = self.shared.thread_id.load(std::sync::atomic::Ordering::Acquire);
+        if tid != 0 && !self.shared.get().is_stopped() {
+            crate::cpu_time::hurry_thread(tid);
+        }
         self.pause()
     }
 

@@ -219,14 +219,19 @@ pub(super) fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<Atom
     let mut reader = Counted { inner: BufReader::with_capacity(1 << 20, stream), bytes };
     let mut frame = LeasedFrame::new(shared.budget.clone(), shared.stopped.clone());
     let mut unpacker = Unpacker::default();
+    let mut background = None;
     loop {
         let result = match frame.read(&mut reader) {
             Ok(kind) if kind.carries_pages() => dispatch.pages(kind, &mut frame),
-            Ok(kind @ (FrameKind::PostcopyPages | FrameKind::PostcopyPagesCompressed)) => match shared.postcopy.get() {
-                Some(postcopy) if kind == FrameKind::PostcopyPages => postcopy.install_frame(&frame.buf),
-                Some(postcopy) => postcopy.install_compressed(&frame.buf, &mut unpacker),
-                None => Err(WireError::Unexpected { got: kind, expected: "PAGES" }.into()),
-            },
+            Ok(kind @ (FrameKind::PostcopyPages | FrameKind::PostcopyPagesCompressed)) => {
+                // Pushed pages are bulk work: the fault's threads go first.
+                background.get_or_insert_with(tsubame_vmm::cpu_time::lower_thread_priority);
+                match shared.postcopy.get() {
+                    Some(postcopy) if kind == FrameKind::PostcopyPages => postcopy.install_frame(&frame.buf),
+                    Some(postcopy) => postcopy.install_compressed(&frame.buf, &mut unpacker),
+                    None => Err(WireError::Unexpected { got: kind, expected: "PAGES" }.into()),
+                }
+            }
             Ok(FrameKind::IterationEnd) => dispatch.end(&frame.buf).map(|_| ()),
             Ok(other) => Err(WireError::Unexpected { got: other, expected: "PAGES or ITERATION_END" }.into()),
             Err(_) if shared.done.load(Ordering::Acquire) => return,

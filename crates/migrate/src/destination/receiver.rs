@@ -72,6 +72,10 @@ enum MemoryEnd {
     Postcopy(PostcopyStart, bool),
 }
 
+/// How long the switch's last wait spins before it sleeps: the source
+/// answers POSTCOPY_PREPARED within a millisecond or so.
+const SWITCH_SPIN: Duration = Duration::from_millis(5);
+
 /// What a receive ended with.
 pub(super) struct Outcome {
     /// Iterations received.
@@ -195,12 +199,19 @@ impl<'a> StreamReceiver<'a> {
                 };
                 let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout, far)?;
                 let _ = shared.postcopy.set(postcopy.clone());
+                // From here to the VM's start every step is on the switch's
+                // path: this thread runs without waiting for a CPU (each
+                // step blocks or ends within a millisecond).
+                let realtime = tsubame_vmm::cpu_time::realtime_thread();
                 if !switching {
                     // The guest still runs at the source: drop what went
                     // stale there in rounds, so that the pause adds little.
                     self.state = ReceiverState::Preparing;
                     loop {
                         write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyPrepared, &[]))?;
+                        if let Some(channels) = channels {
+                            channels.first.wait_readable_closely(SWITCH_SPIN);
+                        }
                         let kind = self.next(&mut reader)?;
                         if kind == FrameKind::DiskWritten {
                             self.disk_written()?;
@@ -225,6 +236,7 @@ impl<'a> StreamReceiver<'a> {
                 // the phase waits for the source to come back.
                 let _ =
                     write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()));
+                drop(realtime);
                 self.state = ReceiverState::Postcopy;
                 (self.log)(&format!(
                     "post-copy: the VM runs here; {} pages to come from the source",

@@ -106,6 +106,9 @@ pub(super) fn run(
     let thread = std::thread::Builder::new()
         .name("postcopy".into())
         .spawn(move || {
+            // Installing pushed pages is bulk work: the fault thread, the
+            // request connection's reader and the vCPU go first.
+            let _background = tsubame_vmm::cpu_time::lower_thread_priority();
             let result = phase(&main, &events, &events_tx, digest_region, can_resume);
             main.stop.store(true, Ordering::Release);
             if let Ok(handle) = faults {

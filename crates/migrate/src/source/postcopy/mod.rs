@@ -76,6 +76,9 @@ impl SourceRun<'_> {
         // destination reads it while the guest is paused.
         super::send::drain(&writers, DRAINED, Duration::from_secs(1));
         let timeout_ms = self.options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
+        // Until the destination runs the VM this thread (and the link's,
+        // started meanwhile) waits for no running guest to yield a CPU.
+        let realtime = tsubame_vmm::cpu_time::realtime_thread();
         // What went stale is dropped at the destination while the guest
         // still runs here; the pause adds only what it dirtied since.
         let (mut missing, mut last) = self.prepare(&mut writers[0], missing, last_iteration, timeout_ms)?;
@@ -137,6 +140,7 @@ impl SourceRun<'_> {
             Ok(other) => return Err(self.postcopy_failure(other)),
             Err(_) => return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into())),
         }
+        drop(realtime);
         // Every page that may differ from its last hash, hashed now that
         // the destination runs (this memory no longer changes).
         self.refresh_digest(&rehash);
@@ -157,6 +161,8 @@ impl SourceRun<'_> {
             urgent: 0,
         };
         rate.set(PUSH_SHARE_FAULTING);
+        // The push is bulk work: the threads that serve faults go first.
+        let _background = tsubame_vmm::cpu_time::lower_thread_priority();
         let mut frames = PageFrames::new();
         // Compressed while it pays at the push's rate (pages a guest wrote
         // a few words of shrink a lot, random bytes not at all).
