@@ -45,13 +45,15 @@ pub struct MigrateFlags {
     pub auto_converge: bool,
     /// Finish with post-copy instead of a long stop-and-copy: the
     /// destination runs the VM at once and is sent the pages it lacks,
-    /// those its guest touches first. `off`; `after=N` (switch after N
-    /// pre-copy iterations, 0 at once); `auto` (switch when the guest
-    /// dirties memory about as fast as the link carries it). Once the
-    /// switch happened the VM runs only at the destination: a link cut
-    /// pauses both ends until it is back (see --postcopy-timeout), and
-    /// losing either process loses the VM (docs/security.md).
-    #[arg(long, value_name = "MODE", default_value = "off")]
+    /// those its guest touches first. `auto` (the default: switch only
+    /// when the guest dirties memory about as fast as the link carries
+    /// it, which pre-copy cannot finish without a long stop); `after=N`
+    /// (switch after N pre-copy iterations, 0 at once); `off` (pre-copy
+    /// only). Once the switch happened the VM runs only at the
+    /// destination: a link cut pauses both ends until it is back (see
+    /// --postcopy-timeout), and losing either process loses the VM
+    /// (docs/security.md).
+    #[arg(long, value_name = "MODE", default_value = "auto")]
     pub postcopy: String,
     /// How long a cut post-copy link is retried before the VM is given up.
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]

@@ -181,6 +181,21 @@ fn start_proxy(listen: &Path, target: PathBuf, fault: Fault, dest_pid: u32) -> s
     std::thread::spawn(move || {
         let (client, _) = listener.accept().unwrap();
         let server = UnixStream::connect(&target).unwrap();
+        // Later connections (the channel post-copy keeps for asked-for
+        // pages) go through as they are: the fault is channel 0's.
+        let later = target.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = UnixStream::connect(&later) else { return };
+                for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
         let kill = move || {
             let _ = std::process::Command::new("kill").args(["-9", &dest_pid.to_string()]).status();
         };

@@ -70,10 +70,11 @@ pub struct MigrateOptions {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PostcopyMode {
     /// Pre-copy only.
-    #[default]
     Off,
     /// Switch when pre-copy is not converging, as judged from the measured
-    /// dirty rate and link rate.
+    /// dirty rate and link rate (the default: a guest that converges never
+    /// switches; one that does not would otherwise end in a long stop).
+    #[default]
     Auto,
     /// Switch after this many pre-copy iterations (0: at once).
     After(u32),
@@ -188,7 +189,7 @@ impl Default for MigrateOptions {
             zero_copy: false,
             gpu: None,
             security: Default::default(),
-            postcopy: PostcopyMode::Off,
+            postcopy: PostcopyMode::Auto,
             postcopy_timeout: Duration::from_secs(60),
             warm_cache: true,
         }

@@ -9,7 +9,7 @@ use tsubame_migrate::destination::{receive, ReceiveOptions};
 use tsubame_migrate::stats::{Status, StopReason};
 use tsubame_migrate::subpage::Detector;
 use tsubame_migrate::transport::{Address, Listener};
-use tsubame_migrate::{source, MigrateOptions, ProgressCell};
+use tsubame_migrate::{source, MigrateOptions, PostcopyMode, ProgressCell};
 use tsubame_vmm::{guest_elf, memory, Vm, VmConfig};
 
 fn migrate_workload(args: &str, options: MigrateOptions) -> tsubame_migrate::MigrationStats {
@@ -32,6 +32,9 @@ fn migrate_over(
     watch: Duration,
     tcp: bool,
 ) -> tsubame_migrate::MigrationStats {
+    // Pre-copy's own machinery: the default hands a guest that outruns the
+    // link to post-copy instead (tests/postcopy.rs).
+    let options = MigrateOptions { postcopy: PostcopyMode::Off, ..options };
     let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: true }).unwrap();
     let cmdline = format!("{args} tsc_khz={}", vm.tsc_khz());
     vm.load_guest(guest_elf::GUEST_ELF, &cmdline).unwrap();
@@ -128,7 +131,12 @@ fn capped_bandwidth_bwmem_does_not_converge() {
         return;
     }
     // 8 MB/s link: 300 ms carries 2.4 MB; bwmem rewrites 8 MiB again and again.
-    let options = MigrateOptions { max_bandwidth: Some(8_000_000), max_iterations: 3, ..Default::default() };
+    let options = MigrateOptions {
+        max_bandwidth: Some(8_000_000),
+        max_iterations: 3,
+        postcopy: PostcopyMode::Off,
+        ..Default::default()
+    };
     let memory_bytes = 64 << 20;
     let mut vm = Vm::create(&VmConfig { memory_bytes, hugepages: true }).unwrap();
     let cmdline = format!("workload=bwmem wss=8M tsc_khz={}", vm.tsc_khz());
@@ -158,6 +166,7 @@ fn auto_converge_throttles_and_a_failed_migration_lets_the_guest_run_freely() {
         max_iterations: 6,
         auto_converge: true,
         abort_if_not_converged: true,
+        postcopy: PostcopyMode::Off,
         ..Default::default()
     };
     let mut vm = Vm::create(&VmConfig { memory_bytes: 64 << 20, hugepages: true }).unwrap();
@@ -359,7 +368,8 @@ fn channel_barrier_holds_when_channels_lag() {
         let dest = std::thread::spawn(move || receive(&dest_listener, &ReceiveOptions::default(), &|_| {}));
         let to = dest_addr.clone();
         std::thread::spawn(move || shuffling_proxy(proxy_listener, to, seed));
-        let options = MigrateOptions { channels: 4, encode_threads: 4, ..Default::default() };
+        let options =
+            MigrateOptions { channels: 4, encode_threads: 4, postcopy: PostcopyMode::Off, ..Default::default() };
         let stats = source::migrate(&vm, &proxy_addr, &options, &ProgressCell::default());
         let incoming = dest.join().unwrap().expect("destination received the VM");
         assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
@@ -412,7 +422,8 @@ fn pages_the_vmm_writes_during_precopy_reach_the_destination() {
         })
     };
     let started = Instant::now();
-    let options = MigrateOptions { max_bandwidth: Some(16_000_000), ..MigrateOptions::default() };
+    let options =
+        MigrateOptions { max_bandwidth: Some(16_000_000), postcopy: PostcopyMode::Off, ..MigrateOptions::default() };
     let stats = source::migrate(&*vm, &addr, &options, &ProgressCell::default());
     let incoming = dest.join().unwrap().expect("destination received the VM");
     let writes_done = writer.join().unwrap();

@@ -102,7 +102,9 @@ impl PrecopyPolicy {
             (_, PostcopyMode::After(n)) if iterations >= n => return Decision::Postcopy,
             (Some(_), PostcopyMode::Auto) => return Decision::Postcopy,
             (Some(reason), _) => return Decision::Stop(reason),
-            (None, PostcopyMode::Auto) if it.index > 0 && it.duration_ms > 0.0 => {
+            // With auto-converge the throttle gets its chance first: post-copy
+            // only where pre-copy would stop unconverged.
+            (None, PostcopyMode::Auto) if it.index > 0 && it.duration_ms > 0.0 && !options.auto_converge => {
                 // What the guest dirtied during the iteration, against what
                 // the link carried in the same time.
                 let dirtied = remaining as f64 * self.bytes_per_page;
@@ -260,7 +262,8 @@ mod tests {
 
     #[test]
     fn stops_when_the_rest_fits_the_limit() {
-        let options = MigrateOptions::default(); // 300 ms
+        // 300 ms; pre-copy only (auto hands over instead of the last two).
+        let options = MigrateOptions { postcopy: PostcopyMode::Off, ..MigrateOptions::default() };
         let mut policy = PrecopyPolicy::default();
         // 100 MB/s, 4109 bytes per page: 300 ms carry ~7300 pages.
         let first = iteration(1, 10_000, 41_090_000, 410.9);

@@ -47,7 +47,9 @@ impl SourceRun<'_> {
             self.progress.update(|p| p.iteration = iteration);
             // Auto post-copy watches the first iteration, sent in a strided
             // order, for a guest that outruns the link.
-            let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto).then(HandoverWatch::new);
+            // (With auto-converge the throttle gets its chance first.)
+            let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto && !self.options.auto_converge)
+                .then(HandoverWatch::new);
             let (it, unsent) = self.send_dirty(&bitmap, iteration, watch)?;
             if let Some(unsent) = unsent {
                 self.refresh_digest(&bitmap);
