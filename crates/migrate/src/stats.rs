@@ -93,7 +93,8 @@ pub struct CpuSeconds {
 pub struct DowntimeBreakdown {
     /// Stopping the vCPU.
     pub pause_ms: f64,
-    /// Sending the last dirty pages.
+    /// Sending the last dirty pages (post-copy: reading the dirty log for
+    /// the pages that went stale last).
     pub final_pages_ms: f64,
     /// Saving and sending vCPU state.
     pub state_ms: f64,
@@ -101,7 +102,8 @@ pub struct DowntimeBreakdown {
     pub source_digest_ms: f64,
     /// Waiting for the destination to verify its memory and say READY.
     pub destination_verify_ms: f64,
-    /// COMMIT until the destination confirmed it runs the VM.
+    /// COMMIT until the destination confirmed it runs the VM (post-copy:
+    /// from the state's sending until then).
     pub commit_ms: f64,
 }
 

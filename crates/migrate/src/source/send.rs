@@ -130,6 +130,22 @@ pub fn unsent_bytes(writer: &Writer) -> Option<usize> {
     (r == 0).then_some(queued.max(0) as usize)
 }
 
+/// The lowest round trip a writer's TCP connection has seen (the link's
+/// own delay, without its queues), or None for another stream.
+pub fn min_rtt(writer: &Writer) -> Option<Duration> {
+    let fd = tcp_fd(writer)?;
+    // SAFETY: tcp_info is plain old data, for which all-zero bytes are valid.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, a live
+    // local of that size; `fd` is this writer's open socket.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len)
+    };
+    let seen = info.tcpi_min_rtt > 0 && info.tcpi_min_rtt != u32::MAX;
+    (r == 0 && seen).then(|| Duration::from_micros(info.tcpi_min_rtt as u64))
+}
+
 /// Waits (at most `limit`) until the sockets under `writers` hold at most
 /// `keep` bytes each that the peer has not taken.
 pub fn drain(writers: &[Writer], keep: usize, limit: Duration) {
