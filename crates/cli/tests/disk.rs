@@ -127,9 +127,11 @@ fn without_warm_migration_the_destination_starts_cold() {
     let cache = &disk["cache"];
     assert_eq!(cache["warmed_blocks"], 0, "{disk}");
     // Every block the guest read here came from storage (read-ahead may
-    // have fetched more).
+    // have fetched more) the first time: a guest that went on past its
+    // 16 MiB region before the stats were taken reads it again from the
+    // cache.
     let (from_storage, read) = (cache["bytes_from_storage"].as_u64().unwrap(), disk["bytes_read"].as_u64().unwrap());
-    assert!(read > 1 << 20 && from_storage >= read, "the guest's reads went to storage: {disk}");
+    assert!(read > 1 << 20 && from_storage >= read.min(16 << 20), "the guest's reads went to storage: {disk}");
 }
 
 #[test]
