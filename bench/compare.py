@@ -32,7 +32,7 @@ or a guest error, a process died); 130 on Ctrl-C.
 
 Examples:
   python3 bench/compare.py bench/cases/smoke.toml
-  python3 bench/compare.py bench/cases/paper.toml --only gmigrate-best --configs qemu-default,tsubame-default
+  python3 bench/compare.py bench/cases/paper.toml --only gmigrate-best --configs qemu-default,tsubame-auto
   python3 bench/compare.py --table-from results/2026-11-22/runs.jsonl
 """
 import argparse
@@ -699,6 +699,28 @@ def ratio_rows(runs):
     return rows
 
 
+def best_qemu_rows(runs):
+    """[(case, best QEMU config or None, figures)] for each case that ran tsubame-auto (no flags): its median total
+    against the best QEMU configuration's (the lowest median total among those with a completed run), its VMM
+    downtime against qemu-default's, and its own guest downtime, as issue 21's targets put them."""
+    rows = []
+    for case, configs in group_runs(runs).items():
+        summaries = {name: summarize(rs) for name, rs in configs.items()}
+        auto = summaries.get("tsubame-auto")
+        if auto is None:
+            continue
+        qemu = {name: s for name, s in summaries.items() if s["vmm"] == "qemu" and s["completed"]}
+        best = min(qemu, key=lambda name: qemu[name]["total_time_s"], default=None)
+        default = summaries.get("qemu-default")
+        rows.append((case, best, {
+            "completed": f"{auto['completed']}/{auto['runs']}",
+            "total": ratio(auto["total_time_s"], qemu[best]["total_time_s"]) if best else None,
+            "downtime": ratio(auto["vmm_downtime_ms"], default["vmm_downtime_ms"]) if default else None,
+            "guest_downtime_ms": auto["guest_downtime_ms"],
+        }))
+    return rows
+
+
 def fmt(value, scale=1, pattern="{:.2f}"):
     return "–" if value is None else pattern.format(value * scale)
 
@@ -722,6 +744,15 @@ def make_table(runs):
             "|---|---|---|" + "---|" * len(RATIO_METRICS)]
     for case, tname, qname, ratios in ratio_rows(runs):
         out.append(f"| {case} | {tname} | {qname} | " + " | ".join(fmt(ratios[k]) for k in RATIO_METRICS) + " |")
+    best = best_qemu_rows(runs)
+    if best:
+        out += ["", "tsubame-auto (no flags) against the best QEMU configuration of each case (lowest median total of "
+                "those that completed), and its VMM downtime against qemu-default's:", "",
+                "| case | best QEMU | tsubame-auto completed | total ÷ best QEMU | VMM downtime ÷ qemu-default | "
+                "guest downtime (ms) |", "|---|---|---|---|---|---|"]
+        for case, name, f in best:
+            out.append(f"| {case} | {name or 'none completed'} | {f['completed']} | {fmt(f['total'])} | "
+                       f"{fmt(f['downtime'])} | {fmt(f['guest_downtime_ms'], 1, '{:.0f}')} |")
     return "\n".join(out) + "\n"
 
 
