@@ -115,6 +115,10 @@ pub struct Vm {
     /// shared with the vCPU thread that serves the guest's accesses.
     bus: Arc<std::sync::Mutex<PciBus>>,
     disk_stats: Option<DiskStatsHandle>,
+    /// Held by a pause or a resume until the vCPU has done it: two threads
+    /// that resumed at once each sent a request, and the second one undid
+    /// a later pause as soon as it stopped the vCPU.
+    stop_go: std::sync::Mutex<()>,
 }
 
 /// Probes, one by one, which MSRs this KVM lets us both read and write
@@ -190,6 +194,7 @@ impl Vm {
             hugepages: config.hugepages,
             bus: Arc::default(),
             disk_stats: None,
+            stop_go: std::sync::Mutex::new(()),
         })
     }
 
@@ -294,6 +299,7 @@ impl Vm {
     /// Stops guest execution; returns once the vCPU is out of KVM_RUN.
     pub fn pause(&self) -> Result<(), VmError> {
         let thread = self.thread()?;
+        let _one_at_a_time = self.stop_go.lock().unwrap();
         self.shared.wants_pause.store(true, std::sync::atomic::Ordering::Release);
         thread.kick();
         let status = self.shared.wait_for(PAUSE_TIMEOUT, |s| s.is_stopped());
@@ -322,6 +328,7 @@ impl Vm {
     /// Lets the guest run again.
     pub fn resume(&self) -> Result<(), VmError> {
         let thread = self.thread()?;
+        let _one_at_a_time = self.stop_go.lock().unwrap();
         if !self.shared.get().is_stopped() {
             return Ok(());
         }

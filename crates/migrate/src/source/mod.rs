@@ -139,10 +139,9 @@ fn migrate_with(
                 None => error_chain(&e),
             };
             if !committed {
-                match far {
-                    // Far memory keeps the log on: its evictor reads it.
-                    Some(far) => far.take_back(),
-                    None => drop(vm.set_dirty_logging(false)),
+                // Far memory keeps the log on: its evictor reads it.
+                if far.is_none() {
+                    let _ = vm.set_dirty_logging(false);
                 }
                 if far.is_some_and(|f| f.stats().error.is_some()) {
                     // Its memory host is gone: far memory paused it, and a
@@ -152,6 +151,12 @@ fn migrate_with(
                     message.push_str(&format!("; resuming the VM here failed too: {resume}"));
                 } else {
                     message.push_str("; the VM keeps running here");
+                }
+                // Eviction goes on only now: it pauses the VM for each
+                // batch, and a resume of ours in the middle of one would
+                // let the guest write to pages being dropped.
+                if let Some(far) = far {
+                    far.take_back();
                 }
             }
             stats.error = Some(message);
