@@ -298,6 +298,10 @@ pub fn print_summary(stats: &MigrationStats) {
         println!("  error:       {error}");
     }
     println!("  total time:  {:.1} ms (setup {:.1} ms)", stats.total_time_ms, stats.setup_time_ms);
+    for (i, choice) in stats.choices.iter().enumerate() {
+        let label = if i == 0 { "choices:" } else { "" };
+        println!("  {label:<12} {} {} ({})", choice.what, choice.chose, choice.why);
+    }
     println!("  downtime:    {:.1} ms (expected {:.1} ms)", stats.downtime_ms, stats.expected_downtime_ms);
     println!(
         "  iterations:  {} ({}, stop reason: {})",

@@ -191,6 +191,8 @@ pub struct MigrationStats {
     pub expected_downtime_ms: f64,
     /// Where the downtime went.
     pub downtime_breakdown: DowntimeBreakdown,
+    /// What the engine chose and why, in the order it decided.
+    pub choices: Vec<Choice>,
     /// Per iteration.
     pub per_iteration: Vec<IterationStats>,
     /// Per codec.
@@ -209,6 +211,17 @@ pub struct MigrationStats {
     /// The disk's warm migration, when the VM has a disk with a cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warm_cache: Option<WarmCacheStats>,
+}
+
+/// One thing the engine chose for a migration, and why.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    /// What was chosen: granularity, codecs, auto-converge, post-copy.
+    pub what: String,
+    /// The choice.
+    pub chose: String,
+    /// Why: asked for (a flag), the default, or what the engine measured.
+    pub why: String,
 }
 
 /// What a warm migration sent about the disk cache.

@@ -108,6 +108,12 @@ fn auto_hands_over_a_guest_that_outruns_the_link() {
     // Handed over during the first iteration, not after it.
     assert_eq!(stats.iterations, 1, "{:?}", stats.per_iteration);
     assert!(stats.per_iteration[0].pages_sent < 96 << 20 >> 12);
+    // And says so, with what it measured.
+    let choice = stats.choices.iter().find(|c| c.what == "post-copy").expect("a post-copy choice");
+    assert!(choice.chose.starts_with("switched at"), "{choice:?}");
+    assert!(choice.why.contains("the guest dirtied memory at"), "{choice:?}");
+    let granularity = stats.choices.iter().find(|c| c.what == "granularity").expect("a granularity choice");
+    assert_eq!(granularity.why, "the default: whole pages");
 }
 
 /// Forwards connections from one Unix socket to another; `cut` breaks

@@ -85,6 +85,7 @@ fn migrate_with(
             destination: to.to_string(),
             memory_bytes: vm.memory_bytes(),
             pages_total: memory::page_count(vm.memory()),
+            choices: policy::initial_choices(options),
             ..Default::default()
         },
         state: SourceState::Setup,

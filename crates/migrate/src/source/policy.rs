@@ -12,7 +12,7 @@ use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
 use crate::options::{MigrateOptions, PostcopyMode};
 use crate::protocol::pages::RECORD_HEADER;
-use crate::stats::{IterationStats, StopReason};
+use crate::stats::{Choice, IterationStats, StopReason};
 
 /// What the policy learned from the iterations so far.
 pub struct PrecopyPolicy {
@@ -34,8 +34,35 @@ pub enum Decision {
     },
     /// Stop iterating, for this reason.
     Stop(StopReason),
-    /// Hand over to post-copy.
-    Postcopy,
+    /// Hand over to post-copy, for this reason.
+    Postcopy(Handover),
+}
+
+/// Why pre-copy handed over to post-copy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Handover {
+    /// `--postcopy after=N`.
+    After(u32),
+    /// Pre-copy would have stopped unconverged, for this reason.
+    WouldStop(StopReason),
+    /// During an iteration the guest dirtied this many bytes while the link
+    /// carried that many (auto).
+    Outruns { dirtied: f64, carried: f64 },
+}
+
+impl Handover {
+    /// One line for the summary and the JSON's `choices`.
+    pub fn why(&self) -> String {
+        match self {
+            Handover::After(n) => format!("asked for: after {n} pre-copy iteration(s)"),
+            Handover::WouldStop(reason) => format!("pre-copy would have stopped unconverged ({})", reason.name()),
+            Handover::Outruns { dirtied, carried } => format!(
+                "the guest dirtied {:.0} MB while the link carried {:.0} MB: pre-copy would not converge",
+                dirtied / 1e6,
+                carried / 1e6
+            ),
+        }
+    }
 }
 
 /// Dirtying at this share of the link's rate or more is not converging:
@@ -99,8 +126,8 @@ impl PrecopyPolicy {
         };
         match (stop, options.postcopy) {
             (Some(reason), _) if reason.converged() => return Decision::Stop(reason),
-            (_, PostcopyMode::After(n)) if iterations >= n => return Decision::Postcopy,
-            (Some(_), PostcopyMode::Auto) => return Decision::Postcopy,
+            (_, PostcopyMode::After(n)) if iterations >= n => return Decision::Postcopy(Handover::After(n)),
+            (Some(reason), PostcopyMode::Auto) => return Decision::Postcopy(Handover::WouldStop(reason)),
             (Some(reason), _) => return Decision::Stop(reason),
             // With auto-converge the throttle gets its chance first: post-copy
             // only where pre-copy would stop unconverged.
@@ -110,7 +137,7 @@ impl PrecopyPolicy {
                 let dirtied = remaining as f64 * self.bytes_per_page;
                 let carried = self.bandwidth_for(options) * it.duration_ms / 1e3;
                 if dirtied >= NOT_CONVERGING * carried {
-                    return Decision::Postcopy;
+                    return Decision::Postcopy(Handover::Outruns { dirtied, carried });
                 }
             }
             _ => {}
@@ -126,6 +153,49 @@ impl PrecopyPolicy {
     /// The measured bandwidth, capped by `--max-bandwidth`.
     pub fn bandwidth_for(&self, options: &MigrateOptions) -> f64 {
         options.max_bandwidth.map_or(self.bandwidth, |cap| self.bandwidth.min(cap as f64)).max(1.0)
+    }
+}
+
+/// The choices a migration starts with: each flag as asked for, or the
+/// default where it says the same. Post-copy's is settled later
+/// ([`postcopy_choice`]).
+pub fn initial_choices(options: &MigrateOptions) -> Vec<Choice> {
+    let defaults = MigrateOptions::default();
+    let why = |same: bool, default: &str| if same { default.to_string() } else { "asked for".to_string() };
+    let choice = |what: &str, chose: String, why: String| Choice { what: what.into(), chose, why };
+    vec![
+        choice(
+            "granularity",
+            format!("{} bytes", options.granularity),
+            why(options.granularity == defaults.granularity, "the default: whole pages"),
+        ),
+        choice(
+            "codecs",
+            options.codecs.to_string(),
+            why(options.codecs == defaults.codecs, "the default: zero pages as a flag"),
+        ),
+        choice(
+            "auto-converge",
+            if options.auto_converge { "on" } else { "off" }.into(),
+            why(!options.auto_converge, "the default"),
+        ),
+        choice(
+            "post-copy",
+            options.postcopy.to_string(),
+            why(
+                options.postcopy == defaults.postcopy,
+                "the default: only a guest that outruns the link is handed over",
+            ),
+        ),
+    ]
+}
+
+/// Settles the post-copy choice: what happened, and why.
+pub fn postcopy_choice(choices: &mut Vec<Choice>, chose: String, why: String) {
+    let settled = Choice { what: "post-copy".into(), chose, why };
+    match choices.iter_mut().find(|c| c.what == "post-copy") {
+        Some(c) => *c = settled,
+        None => choices.push(settled),
     }
 }
 
@@ -156,12 +226,15 @@ pub struct HandoverWatch {
     /// When each run of pages went out: (time, first page, pages).
     sent: Vec<(std::time::Instant, u64, u64)>,
     last_check: std::time::Instant,
+    /// What the look that handed over saw: the guest's rate, the link's,
+    /// and the look's length.
+    seen: Option<(f64, f64, Duration)>,
 }
 
 impl HandoverWatch {
     /// A watch from now.
     pub fn new() -> HandoverWatch {
-        HandoverWatch { sent: Vec::new(), last_check: std::time::Instant::now() }
+        HandoverWatch { sent: Vec::new(), last_check: std::time::Instant::now(), seen: None }
     }
 
     /// `pages` pages from `first` went out now (their dirty bits cleared).
@@ -207,11 +280,31 @@ impl HandoverWatch {
             dirtied as f64 / pages.max(1) as f64 * pages_total as f64 / exposure * PAGE_SIZE as f64
         };
         let short_rate = rate(&short);
-        let steady = mid.len() >= 4 && {
-            let mid_rate = rate(&mid);
-            mid_rate >= NOT_CONVERGING * link && mid_rate >= STEADY * short_rate
+        let mid_rate = if mid.len() >= 4 { rate(&mid) } else { 0.0 };
+        let long_rate = if long.len() >= 4 { rate(&long) } else { 0.0 };
+        self.seen = if long_rate >= NOT_CONVERGING * link {
+            Some((long_rate, link, EXPOSURE))
+        } else if mid_rate >= NOT_CONVERGING * link && mid_rate >= STEADY * short_rate {
+            Some((mid_rate, link, 2 * SHORT_EXPOSURE))
+        } else if short_rate >= FAR_FROM_CONVERGING * link {
+            Some((short_rate, link, SHORT_EXPOSURE))
+        } else {
+            None
         };
-        (long.len() >= 4 && rate(&long) >= NOT_CONVERGING * link) || steady || short_rate >= FAR_FROM_CONVERGING * link
+        self.seen.is_some()
+    }
+
+    /// Why it handed over, for the summary and the JSON's `choices`.
+    pub fn why(&self) -> String {
+        match self.seen {
+            Some((guest, link, look)) => format!(
+                "the guest dirtied memory at {:.0} MB/s over {} ms of its first iteration, the link carries {:.0} MB/s",
+                guest / 1e6,
+                look.as_millis(),
+                link / 1e6
+            ),
+            None => "the guest outran the link".into(),
+        }
     }
 
     /// The runs out between one and two `exposure`s ago (all older ones if
@@ -377,6 +470,25 @@ mod tests {
     }
 
     #[test]
+    fn choices_say_whether_a_flag_or_the_default_chose() {
+        let mut choices = initial_choices(&MigrateOptions::default());
+        let what: Vec<&str> = choices.iter().map(|c| c.what.as_str()).collect();
+        assert_eq!(what, ["granularity", "codecs", "auto-converge", "post-copy"]);
+        assert!(choices.iter().all(|c| c.why.starts_with("the default")), "{choices:?}");
+        assert_eq!(choices[3].chose, "auto");
+        let asked = MigrateOptions { granularity: 128, postcopy: PostcopyMode::Off, ..MigrateOptions::default() };
+        let asked = initial_choices(&asked);
+        assert_eq!((asked[0].chose.as_str(), asked[0].why.as_str()), ("128 bytes", "asked for"));
+        assert_eq!((asked[3].chose.as_str(), asked[3].why.as_str()), ("off", "asked for"));
+        // The outcome replaces the post-copy line.
+        postcopy_choice(&mut choices, "not needed".into(), "pre-copy converged".into());
+        assert_eq!(choices.len(), 4);
+        assert_eq!(choices[3].chose, "not needed");
+        let why = Handover::Outruns { dirtied: 90e6, carried: 60e6 }.why();
+        assert!(why.starts_with("the guest dirtied 90 MB while the link carried 60 MB"), "{why}");
+    }
+
+    #[test]
     fn postcopy_after_n_iterations_or_when_not_converging() {
         let after = MigrateOptions { postcopy: PostcopyMode::After(2), ..MigrateOptions::default() };
         let auto = MigrateOptions { postcopy: PostcopyMode::Auto, ..MigrateOptions::default() };
@@ -386,11 +498,14 @@ mod tests {
         // Converged is converged, whatever the mode.
         assert_eq!(policy.decide(&it, 7000, 2, 0, 1 << 30, &after), Decision::Stop(StopReason::Converged));
         assert_eq!(policy.decide(&it, 8000, 1, 0, 1 << 30, &after), Decision::Continue { throttle: None });
-        assert_eq!(policy.decide(&it, 8000, 2, 0, 1 << 30, &after), Decision::Postcopy);
+        assert_eq!(policy.decide(&it, 8000, 2, 0, 1 << 30, &after), Decision::Postcopy(Handover::After(2)));
         // Auto: 8000 pages dirtied while 10000 went out is 0.8 of the link;
         // 9500 is not converging; and a limit reached hands over too.
         assert_eq!(policy.decide(&it, 8000, 2, 0, 1 << 30, &auto), Decision::Continue { throttle: None });
-        assert_eq!(policy.decide(&it, 9500, 2, 0, 1 << 30, &auto), Decision::Postcopy);
-        assert_eq!(policy.decide(&it, 8000, 30, 0, 1 << 30, &auto), Decision::Postcopy);
+        assert!(matches!(policy.decide(&it, 9500, 2, 0, 1 << 30, &auto), Decision::Postcopy(Handover::Outruns { .. })));
+        assert_eq!(
+            policy.decide(&it, 8000, 30, 0, 1 << 30, &auto),
+            Decision::Postcopy(Handover::WouldStop(StopReason::MaxIterations))
+        );
     }
 }

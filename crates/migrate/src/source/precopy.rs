@@ -7,7 +7,7 @@ use std::time::Instant;
 use tsubame_vmm::DirtyBitmap;
 
 use super::fetch::Fetcher;
-use super::policy::{strided, Decision, HandoverWatch};
+use super::policy::{postcopy_choice, strided, Decision, Handover, HandoverWatch};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
@@ -40,6 +40,7 @@ impl SourceRun<'_> {
             bitmap.set_all();
         }
         if self.options.postcopy == PostcopyMode::After(0) {
+            self.chose_postcopy(Handover::After(0).why());
             return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: None });
         }
         let mut iteration = 0u32;
@@ -51,7 +52,8 @@ impl SourceRun<'_> {
             let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto && !self.options.auto_converge)
                 .then(HandoverWatch::new);
             let (it, unsent) = self.send_dirty(&bitmap, iteration, watch)?;
-            if let Some(unsent) = unsent {
+            if let Some((unsent, why)) = unsent {
+                self.chose_postcopy(why);
                 self.refresh_digest(&bitmap);
                 self.stats.per_iteration.push(it);
                 return Ok(PrecopyEnd::Postcopy { missing: unsent, last_iteration: Some(iteration) });
@@ -91,12 +93,17 @@ impl SourceRun<'_> {
                     }
                     continue;
                 }
-                Decision::Postcopy => {
-                    return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: Some(iteration - 1) })
+                Decision::Postcopy(why) => {
+                    self.chose_postcopy(why.why());
+                    return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: Some(iteration - 1) });
                 }
                 Decision::Stop(reason) => reason,
             };
             self.stats.stop_reason = reason;
+            if reason.converged() && self.options.postcopy != PostcopyMode::Off {
+                let why = format!("pre-copy converged ({})", reason.name());
+                postcopy_choice(&mut self.stats.choices, "not needed".into(), why);
+            }
             self.stats.converged = reason.converged();
             if !reason.converged() && self.options.abort_if_not_converged {
                 return Err(SourceError::NotConverged(reason.name().into()));
@@ -133,6 +140,12 @@ impl SourceRun<'_> {
         digest.mark(sent.clone());
     }
 
+    /// Settles the post-copy choice: handed over now, for `why`.
+    fn chose_postcopy(&mut self, why: String) {
+        let chose = format!("switched at {:.2} s", self.start.elapsed().as_secs_f64());
+        postcopy_choice(&mut self.stats.choices, chose, why);
+    }
+
     /// Sends every page whose bit is set, clearing each batch's bits in KVM
     /// right before reading it. With a `watch` it visits memory in a
     /// strided order and stops early when the watch says hand over; then
@@ -142,7 +155,7 @@ impl SourceRun<'_> {
         bitmap: &DirtyBitmap,
         iteration: u32,
         mut watch: Option<HandoverWatch>,
-    ) -> Result<(IterationStats, Option<DirtyBitmap>), SourceError> {
+    ) -> Result<(IterationStats, Option<(DirtyBitmap, String)>), SourceError> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
@@ -172,7 +185,7 @@ impl SourceRun<'_> {
                         let end = (first / 64) as usize + words.len();
                         left.words_mut()[(first / 64) as usize..end].copy_from_slice(words);
                     }
-                    unsent = Some(left);
+                    unsent = Some((left, watch.why()));
                     break;
                 }
             }
