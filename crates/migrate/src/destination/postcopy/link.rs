@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
@@ -77,12 +77,28 @@ pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
 
 /// Takes reconnections: a RESUME of channel 0 goes to the phase (after
 /// RESUME_ACK with the pages still missing), one of the request channel
-/// gets a reader; anything else is refused.
+/// gets a reader; anything else is refused. Once the phase is done, a
+/// source that was cut off before it heard POSTCOPY_DONE may still come
+/// back within the post-copy timeout: it is told again (without it, it
+/// would give the VM up although the VM runs here whole).
 pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, events: Sender<Event>) {
     let _ = std::thread::Builder::new().name("postcopy-accept".into()).spawn(move || {
-        let stop = || shared.stop.load(Ordering::Acquire);
-        while !stop() {
-            let Ok(Some(stream)) = reconnect.listener.accept_until(&stop) else { continue };
+        let mut linger_until = None;
+        loop {
+            if shared.stop.load(Ordering::Acquire) {
+                if shared.done.lock().unwrap().is_none() {
+                    return; // failed: nothing to tell
+                }
+                let until = *linger_until.get_or_insert_with(|| Instant::now() + shared.timeout);
+                if Instant::now() >= until {
+                    return;
+                }
+            }
+            let give_up = || match linger_until {
+                Some(until) => Instant::now() >= until,
+                None => shared.stop.load(Ordering::Acquire),
+            };
+            let Ok(Some(stream)) = reconnect.listener.accept_until(&give_up) else { continue };
             let Ok(stream) = reconnect.security.accepted(stream) else { continue };
             let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
             let result = (|| -> Result<Option<Stream>, ReceiveError> {
@@ -106,6 +122,14 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
                 let ack = ResumeAck { missing: shared.missing_now() }.encode();
                 protocol::write_frame(&mut io, FrameKind::ResumeAck, &ack)?;
                 io.flush()?;
+                if let Some(done) = shared.done.lock().unwrap().clone() {
+                    // Every page is here: the outcome again, then whatever
+                    // the source still sends (its DIGEST) until it closes.
+                    protocol::write_frame(&mut io, FrameKind::PostcopyDone, &done)?;
+                    io.flush()?;
+                    let _ = std::io::copy(&mut io, &mut std::io::sink());
+                    return Ok(None);
+                }
                 Ok(Some(stream.try_clone()?))
             })();
             if let Ok(Some(stream)) = result {

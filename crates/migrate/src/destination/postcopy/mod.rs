@@ -222,6 +222,9 @@ fn phase(
         cpu_micros: ((process_cpu_seconds() - shared.cpu_at_start) * 1e6) as u64,
         guest_ops_per_sec,
     };
+    if differing.is_empty() {
+        *shared.done.lock().unwrap() = Some(done.encode());
+    }
     {
         let mut back = shared.back.lock().unwrap();
         let _ = protocol::write_frame(&mut *back, FrameKind::PostcopyDone, &done.encode()).and_then(|_| back.flush());

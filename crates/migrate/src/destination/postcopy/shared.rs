@@ -59,6 +59,9 @@ pub(crate) struct PostcopyShared {
     pub(super) timeout: Duration,
     /// Times the link came back.
     pub(super) resumes: AtomicU64,
+    /// POSTCOPY_DONE as sent once every page was here and matched: a
+    /// source cut off before it heard it reconnects and is told again.
+    pub(super) done: Mutex<Option<Vec<u8>>>,
 }
 
 impl PostcopyShared {
@@ -99,6 +102,7 @@ impl PostcopyShared {
             link_up: AtomicBool::new(true),
             timeout,
             resumes: AtomicU64::new(0),
+            done: Mutex::new(None),
         }))
     }
 

@@ -340,8 +340,12 @@ impl SourceRun<'_> {
         let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
         let mut next = 0usize;
         loop {
-            if let Ok(event) = link.heard.try_recv() {
-                return Err(event);
+            match link.heard.try_recv() {
+                // A destination that had every page before a cut says so
+                // again as the link comes back.
+                Ok(Heard::Done(done)) => return Ok(done),
+                Ok(event) => return Err(event),
+                Err(_) => {}
             }
             let batch = outstanding.lock().unwrap().take(PUSH_PAGES);
             if batch.is_empty() {
