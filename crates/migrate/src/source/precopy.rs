@@ -12,7 +12,7 @@ use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
 use crate::protocol::SourceState;
-use crate::stats::IterationStats;
+use crate::stats::{IterationStats, StopReason};
 
 /// Unhashed pages (512 MiB) above which a converged pre-copy lets the
 /// digest catch up before it pauses the guest: hashing in the downtime ran
@@ -101,7 +101,10 @@ impl SourceRun<'_> {
             };
             self.stats.stop_reason = reason;
             if reason.converged() && self.options.postcopy != PostcopyMode::Off {
-                let why = format!("pre-copy converged ({})", reason.name());
+                let why = match reason {
+                    StopReason::NoDirtyPages => "pre-copy left nothing dirty".to_string(),
+                    _ => format!("pre-copy converged in {iteration} iteration(s)"),
+                };
                 postcopy_choice(&mut self.stats.choices, "not needed".into(), why);
             }
             self.stats.converged = reason.converged();
