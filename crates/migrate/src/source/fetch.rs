@@ -72,20 +72,39 @@ impl FarFilter {
     /// memory holds them already, and a zero record would make it populate
     /// and then evict them).
     pub fn remove_unneeded(&self, memory: &GuestMemory, pages: &mut DirtyBitmap) -> Result<(), VmError> {
-        let mut populated = vec![true; pages.pages() as usize];
-        if memory::Pagemap::open().map_or(true, |p| p.populated(memory, 0, &mut populated).is_err()) {
-            populated.fill(true);
-        }
+        remove_unpopulated(memory, pages);
         let mut scratch = [0u8; PAGE_SIZE];
         let listed: Vec<u64> = pages.iter().collect();
         for page in listed {
-            let populated = populated[page as usize];
-            let mapped = self.map.far.get(page);
-            if !populated || (mapped && self.still_far(memory, page, populated, &mut scratch)?) {
+            if self.map.far.get(page) && self.still_far(memory, page, true, &mut scratch)? {
                 pages.unset(page);
             }
         }
         Ok(())
+    }
+}
+
+/// Takes out of `pages` those never populated in `memory`: zeros, which a
+/// destination's fresh memory holds already. Runs of `pages` with nothing
+/// set are not looked up; where the page map cannot be read, the rest
+/// stays as it is.
+pub fn remove_unpopulated(memory: &GuestMemory, pages: &mut DirtyBitmap) {
+    const CHUNK: usize = 1 << 16;
+    let Ok(pagemap) = memory::Pagemap::open() else { return };
+    let mut populated = vec![true; CHUNK];
+    let total = pages.pages();
+    for first in (0..total).step_by(CHUNK) {
+        let len = (total - first).min(CHUNK as u64) as usize;
+        let words = (first / 64) as usize..(first + len as u64).div_ceil(64) as usize;
+        if pages.words()[words].iter().all(|&w| w == 0) {
+            continue;
+        }
+        if pagemap.populated(memory, first, &mut populated[..len]).is_err() {
+            return;
+        }
+        for (i, _) in populated[..len].iter().enumerate().filter(|(_, &p)| !p) {
+            pages.unset(first + i as u64);
+        }
     }
 }
 

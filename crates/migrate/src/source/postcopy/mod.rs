@@ -301,26 +301,9 @@ impl SourceRun<'_> {
 
     /// [`Self::skip_unneeded`]'s test, without the dirty log.
     fn remove_unneeded(&self, pages: &mut DirtyBitmap) -> Result<(), SourceError> {
-        if let Some(far) = &self.far_filter {
-            far.remove_unneeded(self.vm.memory(), pages)?;
-            return Ok(());
-        }
-        let Ok(pagemap) = memory::Pagemap::open() else { return Ok(()) };
-        const CHUNK: usize = 1 << 16;
-        let mut populated = vec![true; CHUNK];
-        let total = pages.pages();
-        for first in (0..total).step_by(CHUNK) {
-            let len = (total - first).min(CHUNK as u64) as usize;
-            let words = (first / 64) as usize..(first + len as u64).div_ceil(64) as usize;
-            if pages.words()[words].iter().all(|&w| w == 0) {
-                continue;
-            }
-            if pagemap.populated(self.vm.memory(), first, &mut populated[..len]).is_err() {
-                return Ok(());
-            }
-            for (i, _) in populated[..len].iter().enumerate().filter(|(_, &p)| !p) {
-                pages.unset(first + i as u64);
-            }
+        match &self.far_filter {
+            Some(far) => far.remove_unneeded(self.vm.memory(), pages)?,
+            None => super::fetch::remove_unpopulated(self.vm.memory(), pages),
         }
         Ok(())
     }
