@@ -338,8 +338,19 @@ impl Write for Stream {
 pub enum Listener {
     /// TCP.
     Tcp(TcpListener),
-    /// Unix socket (the file is removed on drop).
-    Unix(UnixListener, PathBuf),
+    /// Unix socket (its file is removed once every handle is dropped).
+    Unix(UnixListener, Arc<SocketFile>),
+}
+
+/// A Unix socket's file, removed when the last listener handle on it goes:
+/// a post-copy destination's handle may outlive the one it was cloned from
+/// while a cut-off source may still reconnect.
+pub struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 impl Listener {
@@ -357,7 +368,7 @@ impl Listener {
                 if path.exists() && UnixStream::connect(path).is_err() {
                     let _ = std::fs::remove_file(path);
                 }
-                Ok(Listener::Unix(UnixListener::bind(path).map_err(err)?, path.clone()))
+                Ok(Listener::Unix(UnixListener::bind(path).map_err(err)?, Arc::new(SocketFile(path.clone()))))
             }
         }
     }
@@ -412,28 +423,17 @@ impl Listener {
     pub fn local_address(&self) -> Address {
         match self {
             Listener::Tcp(l) => Address::Tcp(l.local_addr().map(|a| a.to_string()).unwrap_or_default()),
-            Listener::Unix(_, p) => Address::Unix(p.clone()),
+            Listener::Unix(_, file) => Address::Unix(file.0.clone()),
         }
     }
 
     /// A second handle on the same listening socket (for a post-copy
-    /// destination waiting for a cut link to come back). It leaves a Unix
-    /// socket's file to the original.
+    /// destination waiting for a cut link to come back).
     pub fn try_clone(&self) -> std::io::Result<Listener> {
         Ok(match self {
             Listener::Tcp(l) => Listener::Tcp(l.try_clone()?),
-            Listener::Unix(l, _) => Listener::Unix(l.try_clone()?, PathBuf::new()),
+            Listener::Unix(l, file) => Listener::Unix(l.try_clone()?, file.clone()),
         })
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
-            if !path.as_os_str().is_empty() {
-                let _ = std::fs::remove_file(path);
-            }
-        }
     }
 }
 
