@@ -325,6 +325,13 @@ impl Engine {
         self.writers[channel as usize].lock().unwrap()
     }
 
+    /// Waits (at most `limit`) until every channel's socket holds at most
+    /// `keep` bytes the peer has not taken (the pipeline is idle then).
+    pub fn drain(&self, keep: usize, limit: Duration) {
+        let writers: Vec<_> = self.writers.iter().map(|w| w.lock().unwrap()).collect();
+        super::send::drain(&writers.iter().map(|w| &**w).collect::<Vec<_>>(), keep, limit);
+    }
+
     /// Bytes written so far on every channel.
     pub fn bytes(&self) -> u64 {
         self.pacer.bytes()

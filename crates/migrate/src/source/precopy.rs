@@ -8,17 +8,18 @@ use tsubame_vmm::DirtyBitmap;
 
 use super::fetch::Fetcher;
 use super::policy::{postcopy_choice, strided, Decision, Handover, HandoverWatch};
+use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
 use crate::protocol::SourceState;
 use crate::stats::{IterationStats, StopReason};
 
-/// Unhashed pages (512 MiB) above which a converged pre-copy lets the
+/// Unhashed pages (4 MiB) above which a converged pre-copy lets the
 /// digest catch up before it pauses the guest: hashing in the downtime ran
 /// at ~8 GB/s on this 2-core host (4 GiB in 508 ms), so less than this
-/// costs the downtime under ~60 ms.
-const DIGEST_LAG_PAGES: u64 = 131_072;
+/// costs the downtime under a millisecond.
+const DIGEST_LAG_PAGES: u64 = 1024;
 
 impl SourceRun<'_> {
     /// Iterations while the guest runs; returns with the VM still running,
@@ -44,6 +45,8 @@ impl SourceRun<'_> {
             return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: None });
         }
         let mut iteration = 0u32;
+        // Whether the digest caught up before the stop once already.
+        let mut caught_up = false;
         loop {
             self.progress.update(|p| p.iteration = iteration);
             // Auto post-copy watches the first iteration, sent in a strided
@@ -97,6 +100,20 @@ impl SourceRun<'_> {
                     self.chose_postcopy(why.why());
                     return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: Some(iteration - 1) });
                 }
+                Decision::Stop(reason) if reason.converged() && !caught_up && self.digest_lags() => {
+                    caught_up = true;
+                    // Hash the backlog while the guest still runs (in the
+                    // downtime it took 0.3-0.8 s for a 4 GiB VM that
+                    // converged in two quick iterations), then send what it
+                    // dirtied meanwhile in one more iteration.
+                    self.enter(SourceState::HashingBeforeStop);
+                    let _ = self.digest.as_ref().map(|d| d.hashes());
+                    self.enter(SourceState::Iterating);
+                    let mut since = vm.dirty_bitmap();
+                    vm.dirty_log(&mut since)?;
+                    bitmap.union_with(&since);
+                    continue;
+                }
                 Decision::Stop(reason) => reason,
             };
             self.stats.stop_reason = reason;
@@ -111,13 +128,11 @@ impl SourceRun<'_> {
             if !reason.converged() && self.options.abort_if_not_converged {
                 return Err(SourceError::NotConverged(reason.name().into()));
             }
-            if reason.converged() && self.digest_lags() {
-                // Hash the backlog while the guest still runs: in the
-                // downtime it took 0.3-0.8 s for a 4 GiB VM that
-                // converged in two quick iterations. What the guest
-                // dirties meanwhile joins the final pages.
-                self.enter(SourceState::HashingBeforeStop);
-                let _ = self.digest.as_ref().map(|d| d.hashes());
+            if reason.converged() {
+                // What is queued in the link goes out while the guest still
+                // runs: the destination checks the digest only after it.
+                // What the guest dirties meanwhile joins the final pages.
+                self.engine().drain(DRAINED, DRAIN_LIMIT);
             }
             // Without manual protect, `bitmap` was cleared in KVM: keep
             // it for stop-and-copy, which adds what comes after.

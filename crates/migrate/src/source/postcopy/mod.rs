@@ -20,7 +20,7 @@ use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
 use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, PageFrames};
-use super::send::{write_frame_flushed, Writer};
+use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
 use super::{ms, SourceError, SourceRun};
 use crate::protocol::{
     self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, Resume, ResumeAck, SourceState, WireError,
@@ -47,11 +47,6 @@ const MIN_WINDOW: usize = 64 << 10;
 /// and a shaped link counts every header.
 const PAYLOAD_SHARE: f64 = 0.955;
 
-/// Bytes a channel may still hold in flight when the guest is paused for
-/// the switch (64 KiB: half a millisecond at 1 Gbit/s); waited for at
-/// most a second.
-const DRAINED: usize = 64 << 10;
-
 /// Rounds of POSTCOPY_PREPARE at most, and the new stale pages a round
 /// may find and still leave them to the pause (each costs the destination
 /// ~1.4 µs to drop while the VM is stopped).
@@ -76,7 +71,7 @@ impl SourceRun<'_> {
         let mut writers = self.finish_engine();
         // And through the link: POSTCOPY must not queue behind them, the
         // destination reads it while the guest is paused.
-        super::send::drain(&writers, DRAINED, Duration::from_secs(1));
+        super::send::drain(&writers.iter().collect::<Vec<_>>(), DRAINED, DRAIN_LIMIT);
         let timeout_ms = self.options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
         // Until the destination runs the VM this thread (and the link's,
         // started meanwhile) waits for no running guest to yield a CPU.
