@@ -59,6 +59,10 @@ pub struct EngineSetup {
     pub guest: Option<GuestPages>,
 }
 
+/// The least [`Engine::wait_for_link`] lets a socket hold (TCP needs some
+/// in flight to keep even a short link busy).
+const MIN_LINK_WINDOW: usize = 1 << 20;
+
 enum ToEncoder {
     Batch(Batch),
     End(u32),
@@ -323,6 +327,29 @@ impl Engine {
     /// pipeline is idle then).
     pub fn writer(&self, channel: u16) -> std::sync::MutexGuard<'_, Writer> {
         self.writers[channel as usize].lock().unwrap()
+    }
+
+    /// Waits (at most `limit`) while some channel's sender is writing or
+    /// its socket holds more than what a link of `rate` bytes per second
+    /// carries in its round trip plus `lead`. Where the link is the
+    /// bottleneck a batch fetched then goes out within about that time,
+    /// not behind the whole pipeline's depth (at 1 Gbit/s its queues and
+    /// buffers held ~300 ms of pages, stale by the time they arrived);
+    /// where fetching or encoding is, the senders are idle and nothing
+    /// waits.
+    pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let rtt = self.writers[0].try_lock().ok().and_then(|w| super::send::min_rtt(&w)).unwrap_or_default();
+        let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
+        let busy = || {
+            self.writers.iter().any(|w| {
+                // A sender writing holds the lock: its socket is full.
+                w.try_lock().map_or(true, |w| super::send::unsent_bytes(&w).is_some_and(|n| n > window))
+            })
+        };
+        while Instant::now() < deadline && busy() {
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// Waits (at most `limit`) until every channel's socket holds at most

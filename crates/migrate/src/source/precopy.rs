@@ -21,6 +21,12 @@ use crate::stats::{IterationStats, StopReason};
 /// costs the downtime under a millisecond.
 const DIGEST_LAG_PAGES: u64 = 1024;
 
+/// How far ahead of the link the watched first iteration reads pages
+/// (beyond the round trip; a batch of 4 MiB takes ~2 ms to fetch and
+/// encode here), and the longest it waits for the link at a time.
+const LINK_LEAD: std::time::Duration = std::time::Duration::from_millis(10);
+const LINK_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl SourceRun<'_> {
     /// Iterations while the guest runs; returns with the VM still running,
     /// and the pages still dirty in `self.pending` or in what post-copy is
@@ -53,7 +59,7 @@ impl SourceRun<'_> {
             // order, for a guest that outruns the link.
             // (With auto-converge the throttle gets its chance first.)
             let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto && !self.options.auto_converge)
-                .then(HandoverWatch::new);
+                .then(|| HandoverWatch::new(self.options.downtime_limit));
             let (it, unsent) = self.send_dirty(&bitmap, iteration, watch)?;
             if let Some((unsent, why)) = unsent {
                 self.chose_postcopy(why);
@@ -188,6 +194,9 @@ impl SourceRun<'_> {
         let order: Vec<usize> =
             if watch.is_some() { strided(chunks.len()).collect() } else { (0..chunks.len()).collect() };
         let mut peek = vm.dirty_bitmap();
+        if let Some(watch) = &mut watch {
+            vm.clear_dirty_log(0, &watch.probe(bitmap))?;
+        }
         let mut unsent = None;
         for (done, &c) in order.iter().enumerate() {
             let (first_page, chunk) = chunks[c];
@@ -195,7 +204,11 @@ impl SourceRun<'_> {
                 continue;
             }
             if let Some(watch) = &mut watch {
-                let link = (self.engine().bytes() - bytes_before) as f64 / started.elapsed().as_secs_f64();
+                // What the link carries: the cap where one is known (early
+                // on the sockets' buffers take more than it, or less while
+                // the iteration starts), else what went out so far.
+                let written = (self.engine().bytes() - bytes_before) as f64 / started.elapsed().as_secs_f64();
+                let link = self.options.max_bandwidth.map_or(written, |cap| cap as f64);
                 if watch.handover(link, self.stats.pages_total, &mut peek, |b| vm.peek_dirty_log(b).unwrap_or(false)) {
                     // What is left of this iteration goes with post-copy.
                     let mut left = DirtyBitmap::new(bitmap.pages());
@@ -206,6 +219,10 @@ impl SourceRun<'_> {
                     unsent = Some((left, watch.why()));
                     break;
                 }
+                // It reads pages only shortly before the link takes them:
+                // what is in flight when it hands over goes stale before it
+                // lands, and delays the switch.
+                self.engine().wait_for_link(link, LINK_LEAD, LINK_WAIT);
             }
             let mut batch = self.engine().take_batch()?;
             let fetch_start = Instant::now();
