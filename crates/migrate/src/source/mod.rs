@@ -11,6 +11,7 @@ pub mod encode;
 pub mod engine;
 pub mod error;
 pub mod fetch;
+pub mod handover;
 pub mod policy;
 mod postcopy;
 mod precopy;

@@ -7,7 +7,8 @@ use std::time::Instant;
 use tsubame_vmm::DirtyBitmap;
 
 use super::fetch::Fetcher;
-use super::policy::{postcopy_choice, strided, Decision, Handover, HandoverWatch};
+use super::handover::{strided, HandoverWatch};
+use super::policy::{postcopy_choice, Decision, Handover};
 use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;

@@ -1,0 +1,384 @@
+//! Auto post-copy's watch over a first iteration: a guest that dirties
+//! memory about as fast as the link carries it (or far faster) is handed
+//! over at once, not after an iteration that only sends what it rewrites.
+
+use std::time::Duration;
+
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
+
+use super::policy::NOT_CONVERGING;
+
+/// How long a page must have been out before its re-dirtying counts.
+const EXPOSURE: Duration = Duration::from_secs(1);
+/// A shorter look, for a guest that dirties memory much faster than the
+/// link carries it: such a guest shows it within a quarter second, and
+/// every second more of pre-copy only sends pages it rewrites.
+const SHORT_EXPOSURE: Duration = Duration::from_millis(250);
+/// Dirtying at this share of the link's rate or more, seen over the short
+/// look, hands over at once. A guest that rewrites a small hot set looks
+/// fast over a short look and slower over a long one (its rewrites of the
+/// same pages stop counting), so the short look asks for a wide margin.
+const FAR_FROM_CONVERGING: f64 = 2.0;
+/// A rate seen over twice the short look that holds at least this share
+/// of the short look's is the guest's own, not a small hot set's (whose
+/// rate halves as the look doubles): then [`NOT_CONVERGING`] suffices.
+const STEADY: f64 = 0.8;
+/// How often a long first iteration checks the guest's dirtying.
+const CHECK_EVERY: Duration = Duration::from_millis(50);
+/// One word (64 pages) of the dirty log in this many is a probe.
+const PROBE_EVERY: usize = 16;
+/// How far past what the link carries in the downtime limit the probes
+/// must see the guest write, against their sampling error and a rate of
+/// the link that is still rising.
+const PROBE_MARGIN: f64 = 2.0;
+/// Dirtied probe pages to see before their share counts.
+const PROBE_SEEN: u64 = 16;
+
+/// Watches a first iteration that sends memory in a strided order (so the
+/// pages out so far sample all of memory evenly) for a guest that dirties
+/// memory about as fast as the link carries it: then waiting for the
+/// iteration to end only sends pages that will be stale again (auto
+/// post-copy hands over at once).
+pub struct HandoverWatch {
+    /// When each run of pages went out: (time, first page, pages).
+    sent: Vec<(std::time::Instant, u64, u64)>,
+    last_check: std::time::Instant,
+    /// What the look that handed over saw: the guest's rate, the link's,
+    /// and the look's length.
+    seen: Option<(f64, f64, Duration)>,
+    /// The downtime limit.
+    limit: Duration,
+    /// Words of the dirty log cleared when the iteration started, spread
+    /// over memory: until sent, their bits show what the guest wrote since
+    /// then (a look from the first moment, where sent runs must first be
+    /// out a while).
+    probes: Vec<usize>,
+    probed_at: std::time::Instant,
+    /// Per word of the log: sent since the probes were cleared.
+    sent_words: Vec<bool>,
+}
+
+/// What a sample of pages shows of the guest's writes.
+struct Look {
+    /// Pages of the sample dirtied since they went out.
+    dirtied: u64,
+    /// Bytes of all memory dirtied per second of exposure.
+    rate: f64,
+    /// The sample's mean time out, seconds.
+    exposure: f64,
+}
+
+impl Look {
+    /// `dirtied` of `pages` sampled, out `exposure` seconds on average, of
+    /// `pages_total` in all.
+    fn new(dirtied: u64, pages: u64, exposure: f64, pages_total: u64) -> Look {
+        // The share of the sample dirtied, of all memory, per second.
+        let rate = dirtied as f64 / pages.max(1) as f64 * pages_total as f64 * PAGE_SIZE as f64 / exposure.max(1e-6);
+        Look { dirtied, rate, exposure }
+    }
+
+    fn of_runs(
+        sample: &[(std::time::Instant, u64, u64)],
+        dirty: &DirtyBitmap,
+        now: std::time::Instant,
+        pages_total: u64,
+    ) -> Look {
+        let (mut pages, mut dirtied, mut exposure) = (0u64, 0u64, 0.0);
+        for &(at, first, n) in sample {
+            pages += n;
+            dirtied += (first..first + n).filter(|&p| dirty.get(p)).count() as u64;
+            exposure += (now - at).as_secs_f64() * n as f64;
+        }
+        Look::new(dirtied, pages, exposure / pages.max(1) as f64, pages_total)
+    }
+}
+
+impl HandoverWatch {
+    /// A watch from now, for a migration of this downtime limit.
+    pub fn new(limit: Duration) -> HandoverWatch {
+        let now = std::time::Instant::now();
+        HandoverWatch {
+            sent: Vec::new(),
+            last_check: now,
+            seen: None,
+            limit,
+            probes: Vec::new(),
+            probed_at: now,
+            sent_words: Vec::new(),
+        }
+    }
+
+    /// Picks the probes among the words wholly in `to_send` (so clearing
+    /// their dirty bits loses nothing: they go out anyway) and returns
+    /// them as a mask over the whole log, to be cleared now.
+    pub fn probe(&mut self, to_send: &DirtyBitmap) -> Vec<u64> {
+        let words = to_send.words();
+        let mut mask = vec![0u64; words.len()];
+        self.probes = (0..words.len()).step_by(PROBE_EVERY).filter(|&w| words[w] == u64::MAX).collect();
+        for &w in &self.probes {
+            mask[w] = u64::MAX;
+        }
+        self.sent_words = vec![false; words.len()];
+        self.probed_at = std::time::Instant::now();
+        mask
+    }
+
+    /// `pages` pages from `first` went out now (their dirty bits cleared).
+    pub fn sent(&mut self, first: u64, pages: u64) {
+        self.sent.push((std::time::Instant::now(), first, pages));
+        let words = (first / 64) as usize..(first + pages).div_ceil(64) as usize;
+        if let Some(sent) = self.sent_words.get_mut(words) {
+            sent.iter_mut().for_each(|w| *w = true);
+        }
+    }
+
+    /// True when the probes show the guest writing more than
+    /// [`PROBE_MARGIN`] times what the link carries in the downtime limit,
+    /// in less than that limit (then no iteration can ever end with less
+    /// than that dirty: pre-copy cannot converge), or the pages out for
+    /// about [`EXPOSURE`] show it dirtying memory at [`NOT_CONVERGING`] of
+    /// `link` bytes per second or more, or those out for about twice
+    /// [`SHORT_EXPOSURE`] do and the rate is [`STEADY`], or those out for
+    /// about [`SHORT_EXPOSURE`] show it at [`FAR_FROM_CONVERGING`] of it.
+    /// `dirty` is a fresh look at the dirty log (KVM's bits stay set until
+    /// cleared, so it shows what was written since each run went out);
+    /// `peek` fills it and returns false when it cannot look.
+    pub fn handover(
+        &mut self,
+        link: f64,
+        pages_total: u64,
+        dirty: &mut DirtyBitmap,
+        peek: impl FnOnce(&mut DirtyBitmap) -> bool,
+    ) -> bool {
+        let now = std::time::Instant::now();
+        if now - self.last_check < CHECK_EVERY || link <= 0.0 {
+            return false;
+        }
+        self.last_check = now;
+        let short = self.sample(now, SHORT_EXPOSURE);
+        let probing = !self.probes.is_empty() && now - self.probed_at <= self.limit;
+        if (short.len() < 4 && !probing) || !peek(dirty) {
+            return false;
+        }
+        let limit = self.limit.as_secs_f64();
+        let never_converges = probing && {
+            let probe = self.probe_look(dirty, now, pages_total);
+            probe.dirtied >= PROBE_SEEN
+                && probe.rate * probe.exposure >= PROBE_MARGIN * link * limit
+                && probe.rate >= FAR_FROM_CONVERGING * link
+        };
+        let rate = |sample: &[(std::time::Instant, u64, u64)]| {
+            if sample.len() >= 4 {
+                Look::of_runs(sample, dirty, now, pages_total).rate
+            } else {
+                0.0
+            }
+        };
+        let (short_rate, mid_rate, long_rate) =
+            (rate(&short), rate(&self.sample(now, 2 * SHORT_EXPOSURE)), rate(&self.sample(now, EXPOSURE)));
+        self.seen = if never_converges {
+            let probe = self.probe_look(dirty, now, pages_total);
+            Some((probe.rate, link, Duration::from_secs_f64(probe.exposure)))
+        } else if long_rate >= NOT_CONVERGING * link {
+            Some((long_rate, link, EXPOSURE))
+        } else if mid_rate >= NOT_CONVERGING * link && mid_rate >= STEADY * short_rate {
+            Some((mid_rate, link, 2 * SHORT_EXPOSURE))
+        } else if short_rate >= FAR_FROM_CONVERGING * link {
+            Some((short_rate, link, SHORT_EXPOSURE))
+        } else {
+            None
+        };
+        self.seen.is_some()
+    }
+
+    /// What the probes not yet sent show.
+    fn probe_look(&self, dirty: &DirtyBitmap, now: std::time::Instant, pages_total: u64) -> Look {
+        let unsent: Vec<usize> = self.probes.iter().copied().filter(|&w| !self.sent_words[w]).collect();
+        let dirtied = unsent.iter().map(|&w| dirty.words()[w].count_ones() as u64).sum();
+        Look::new(dirtied, unsent.len() as u64 * 64, (now - self.probed_at).as_secs_f64(), pages_total)
+    }
+
+    /// Why it handed over, for the summary and the JSON's `choices`.
+    pub fn why(&self) -> String {
+        match self.seen {
+            Some((guest, link, look)) => format!(
+                "the guest dirtied memory at {:.0} MB/s over {} ms of its first iteration, the link carries {:.0} MB/s",
+                guest / 1e6,
+                look.as_millis(),
+                link / 1e6
+            ),
+            None => "the guest outran the link".into(),
+        }
+    }
+
+    /// The runs out between one and two `exposure`s ago (all older ones if
+    /// those are too few to sample memory).
+    fn sample(&self, now: std::time::Instant, exposure: Duration) -> Vec<(std::time::Instant, u64, u64)> {
+        let window: Vec<_> = self.sent.iter().filter(|(at, ..)| now - *at >= exposure).copied().collect();
+        let recent: Vec<_> = window.iter().filter(|(at, ..)| now - *at < 2 * exposure).copied().collect();
+        if recent.len() >= 8 {
+            recent
+        } else {
+            window
+        }
+    }
+}
+
+/// Chunk indices `0..chunks` in bit-reversed order: any first few of
+/// them spread evenly over all of memory (0, ½, ¼, ¾, ⅛ …), so what went
+/// out so far samples it evenly from the start. (Every 16th chunk in
+/// turn did not: its first pass alone took 2 s of a 4 GiB VM at 1 Gbit/s,
+/// all of it in low memory, blind to a guest filling high memory.)
+pub fn strided(chunks: usize) -> impl Iterator<Item = usize> {
+    let bits = chunks.next_power_of_two().trailing_zeros();
+    (0..chunks.next_power_of_two())
+        .map(move |i| if bits == 0 { 0 } else { i.reverse_bits() >> (usize::BITS - bits) })
+        .filter(move |&c| c < chunks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_order_visits_every_chunk_once() {
+        let order: Vec<usize> = strided(40).collect();
+        assert_eq!(order.len(), 40);
+        assert_eq!(&order[..4], &[0, 32, 16, 8]);
+        // The first eight already hit every eighth of memory but the last
+        // (40 of 64 slots exist).
+        let eighths: std::collections::BTreeSet<usize> = order[..8].iter().map(|c| c * 8 / 40).collect();
+        assert!(eighths.len() >= 5, "{:?}", &order[..8]);
+        assert_eq!(strided(1).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(strided(0).count(), 0);
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..40).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn handover_when_sent_pages_are_dirtied_as_fast_as_the_link_carries() {
+        let mut watch = HandoverWatch::new(Duration::from_millis(300));
+        let long_ago = std::time::Instant::now() - Duration::from_millis(1500);
+        // 16 runs of 1024 pages went out 1.5 s ago, from 64 Ki pages.
+        for i in 0..16 {
+            watch.sent.push((long_ago, i * 4096, 1024));
+        }
+        watch.last_check = long_ago;
+        let mut dirty = DirtyBitmap::new(65536);
+        // A quarter of each run dirtied again: 16 Ki pages of memory per
+        // 1.5 s, ~44 MB/s.
+        let mark = |d: &mut DirtyBitmap| {
+            for i in 0..16u64 {
+                for p in 0..256 {
+                    d.set(i * 4096 + p);
+                }
+            }
+            true
+        };
+        assert!(watch.handover(40e6, 65536, &mut dirty, mark), "44 MB/s against a 40 MB/s link");
+        watch.last_check = long_ago;
+        assert!(!watch.handover(100e6, 65536, &mut dirty, mark), "44 MB/s against 100 MB/s");
+        watch.last_check = long_ago;
+        assert!(!watch.handover(40e6, 65536, &mut dirty, |_| false), "no look at the log, no handover");
+    }
+
+    #[test]
+    fn handover_after_a_short_look_only_when_far_from_converging() {
+        let mut watch = HandoverWatch::new(Duration::from_millis(300));
+        let lately = std::time::Instant::now() - Duration::from_millis(300);
+        for i in 0..16 {
+            watch.sent.push((lately, i * 4096, 1024));
+        }
+        let mark = |share: u64| {
+            move |d: &mut DirtyBitmap| {
+                for i in 0..16u64 {
+                    for p in 0..share {
+                        d.set(i * 4096 + p);
+                    }
+                }
+                true
+            }
+        };
+        // Everything out 0.3 s ago dirtied again: 256 MiB per 0.3 s.
+        watch.last_check = lately;
+        assert!(watch.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(1024)), "~900 MB/s vs 100 MB/s");
+        // A quarter of it: ~220 MB/s, not twice a 150 MB/s link; the long
+        // look has nothing to say yet.
+        watch.last_check = lately;
+        assert!(!watch.handover(150e6, 65536, &mut DirtyBitmap::new(65536), mark(256)), "~220 MB/s vs 150 MB/s");
+    }
+
+    #[test]
+    fn handover_at_the_first_look_when_the_guest_dirties_more_than_the_limit_carries() {
+        // 256 MiB of memory, a 100 MB/s link, 300 ms: 30 MB go out in the
+        // limit. The probes were cleared 75 ms ago; `share` of each
+        // unsent one's pages is dirty again.
+        let watch = |limit_ms: u64| {
+            let mut watch = HandoverWatch::new(Duration::from_millis(limit_ms));
+            let mask = watch.probe(&DirtyBitmap::full(65536));
+            assert_eq!(mask.iter().filter(|&&w| w == u64::MAX).count(), 1024 / PROBE_EVERY);
+            watch.probed_at = std::time::Instant::now() - Duration::from_millis(75);
+            watch.last_check = watch.probed_at;
+            watch
+        };
+        let mark = |share: u32| {
+            move |d: &mut DirtyBitmap| {
+                for w in (0..1024).step_by(PROBE_EVERY) {
+                    d.words_mut()[w] = (1u64 << share) - 1;
+                }
+                true
+            }
+        };
+        // Half of them: 134 MB in 75 ms.
+        let mut w = watch(300);
+        assert!(w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32)), "134 MB in 75 ms");
+        assert!(w.why().contains("over 75 ms"), "{}", w.why());
+        // A tenth: 25 MB, which the limit could carry.
+        let mut w = watch(300);
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(6)), "25 MB in 75 ms");
+        // Probes sent since say nothing: half of them out, their bits
+        // (dirtied since) not counted, too few left dirty to count.
+        let mut w = watch(300);
+        w.sent(0, 32768);
+        let few = |d: &mut DirtyBitmap| {
+            for word in (0..1024).step_by(PROBE_EVERY) {
+                d.words_mut()[word] = if word < 512 { u64::MAX } else { 0 };
+            }
+            true
+        };
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), few), "sent probes");
+        // Under a 50 ms limit 75 ms say nothing of what 50 ms would show.
+        let mut w = watch(50);
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32)), "a 50 ms limit");
+    }
+
+    #[test]
+    fn handover_after_half_a_second_when_the_rate_holds() {
+        // Runs out 0.3 s ago (pages 0..16k) and 0.6 s ago (16k..32k).
+        let now = std::time::Instant::now();
+        let mut watch = HandoverWatch::new(Duration::from_millis(300));
+        for i in 0..16u64 {
+            watch.sent.push((now - Duration::from_millis(600), 16384 + i * 1024, 1024));
+            watch.sent.push((now - Duration::from_millis(300), i * 1024, 1024));
+        }
+        // A share of each run dirtied again: `short` of the recent ones,
+        // `mid` of the older ones.
+        let mark = |short: u64, mid: u64| {
+            move |d: &mut DirtyBitmap| {
+                for i in 0..16u64 {
+                    (0..short).for_each(|p| d.set(i * 1024 + p));
+                    (0..mid).for_each(|p| d.set(16384 + i * 1024 + p));
+                }
+                true
+            }
+        };
+        // 65536 pages of 4 KiB: 30 % of memory in 0.3 s, 60 % in 0.6 s is
+        // ~270 MB/s either way, above 0.9 of a 250 MB/s link.
+        watch.last_check = now - Duration::from_secs(1);
+        assert!(watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 614)), "a steady 270 MB/s");
+        // A hot set: the same share in 0.3 s and in 0.6 s (the rate halves).
+        watch.last_check = now - Duration::from_secs(1);
+        assert!(!watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 307)), "a hot set");
+    }
+}
