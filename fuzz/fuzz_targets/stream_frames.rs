@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tsubame_migrate::protocol::{
-    self as wire, pages, ChannelOpen, Digest, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
+    self as wire, pages, ChannelOpen, Digest, DigestUpdate, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
     PostcopyStart, Resume, ResumeAck, Resumed,
 };
 
@@ -27,6 +27,7 @@ fuzz_target!(|data: &[u8]| {
         wire::FrameKind::Hello,
         wire::FrameKind::Pages,
         wire::FrameKind::Digest,
+        wire::FrameKind::DigestUpdate,
         wire::FrameKind::Mismatch,
         wire::FrameKind::Channel,
         wire::FrameKind::IterationEnd,
@@ -65,6 +66,9 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         }
         wire::FrameKind::Digest => {
             let _ = Digest::decode(payload, 1 << 20, 64).map(|d| d.differing(&[0u64; 64]));
+        }
+        wire::FrameKind::DigestUpdate => {
+            let _ = DigestUpdate::decode(payload, 1 << 20, 64).map(|d| d.apply(vec![0u64; 64]));
         }
         wire::FrameKind::Mismatch => {
             let _ = Mismatch::decode(payload, 1 << 16);

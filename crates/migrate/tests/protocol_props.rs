@@ -6,8 +6,8 @@ use tsubame_migrate::protocol::pages::{
     for_each_record, for_each_subpage, CompressedHeader, Encoding, PagesBuilder, MAX_UNPACKED,
 };
 use tsubame_migrate::protocol::{
-    self, ChannelOpen, Digest, ErrorMessage, FrameKind, Hello, IterationEnd, Mismatch, PageRequest, PostcopyDone,
-    PostcopyRunning, PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY, MAX_CHANNELS, MAX_SHARDS,
+    self, ChannelOpen, Digest, DigestUpdate, ErrorMessage, FrameKind, Hello, IterationEnd, Mismatch, PageRequest,
+    PostcopyDone, PostcopyRunning, PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY, MAX_CHANNELS, MAX_SHARDS,
 };
 
 fn hello() -> impl Strategy<Value = Hello> {
@@ -98,6 +98,26 @@ proptest! {
         prop_assume!(!regions.is_empty());
         let mismatch = Mismatch { regions };
         prop_assert_eq!(Mismatch::decode(&mismatch.encode(), hashes.len()).unwrap(), mismatch);
+    }
+
+    #[test]
+    fn a_digest_update_carries_exactly_the_changed_regions(before in prop::collection::vec(any::<u64>(), 1..300),
+                                                           changes in prop::collection::vec((0usize..300, any::<u64>()), 0..40)) {
+        let mut now = before.clone();
+        for &(i, h) in &changes {
+            if i < now.len() {
+                now[i] = h;
+            }
+        }
+        let update = DigestUpdate::between(1 << 18, &before, &now);
+        prop_assert!(update.changed.len() <= changes.len());
+        let decoded = DigestUpdate::decode(&update.encode(), 1 << 18, before.len()).unwrap();
+        prop_assert_eq!(&decoded, &update);
+        prop_assert_eq!(decoded.apply(before.clone()), now);
+        // Another region size, or an index past the end, is refused.
+        prop_assert!(DigestUpdate::decode(&update.encode(), 1 << 19, before.len()).is_err());
+        let past = DigestUpdate { region: 1 << 18, changed: vec![(before.len() as u32, 0)] };
+        prop_assert!(DigestUpdate::decode(&past.encode(), 1 << 18, before.len()).is_err());
     }
 
     #[test]

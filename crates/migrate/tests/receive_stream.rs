@@ -44,6 +44,29 @@ fn truncated_streams_never_commit() {
 }
 
 #[test]
+fn a_digest_update_without_a_digest_before_it_is_refused() {
+    use tsubame_migrate::protocol::{self, FrameKind};
+    // The recorded stream, frame by frame, without the DIGEST sent before
+    // the pause: its DIGEST_UPDATE then has nothing to update.
+    let mut rest = &RECORDED[16..];
+    let mut without = RECORDED[..16].to_vec();
+    let (mut buf, mut dropped) = (Vec::new(), false);
+    while !rest.is_empty() {
+        let before = rest;
+        let kind = protocol::read_frame(&mut rest, &mut buf).unwrap();
+        if kind == FrameKind::Digest && !dropped {
+            dropped = true;
+            continue;
+        }
+        without.extend_from_slice(&before[..before.len() - rest.len()]);
+    }
+    assert!(dropped, "the recorded stream sends DIGEST before the pause");
+    let (result, landing) = land(&without);
+    let err = result.unwrap_err();
+    assert!(err.contains("unexpected DigestUpdate") && !landing.started, "{err}");
+}
+
+#[test]
 fn memory_above_the_cap_is_refused() {
     let mut landing = MemoryLanding { max_bytes: 4 << 20, memory: None, started: false };
     let input = RECORDED;
@@ -103,6 +126,9 @@ fn record_seed() {
     let options = MigrateOptions {
         codecs: "zero,rle,xbzrle=1M,dedup=1M,lz4".parse().unwrap(),
         encode_threads: 1,
+        // Pre-copy only: post-copy asks for a second connection, and this
+        // receiver takes one.
+        postcopy: tsubame_migrate::options::PostcopyMode::Off,
         ..Default::default()
     };
     let stats = source::migrate(&vm, &to_proxy, &options, &ProgressCell::default());

@@ -26,8 +26,8 @@ use crate::digest::{BackgroundDigest, FarPageHashes};
 use crate::protocol::far::{FarMemory, FarPages};
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
-    self, shard_codecs, Digest, DiskWritten, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning, PostcopyStart,
-    ReceiverState, ShardLayout, WarmBlocks, WarmData, WireError, MAX_REPAIR_ROUNDS,
+    self, shard_codecs, Digest, DigestUpdate, DiskWritten, ErrorMessage, FrameKind, Hello, Mismatch, PostcopyRunning,
+    PostcopyStart, ReceiverState, ShardLayout, WarmBlocks, WarmData, WireError, MAX_REPAIR_ROUNDS,
 };
 use crate::stats::process_cpu_seconds;
 use crate::transport::Stream;
@@ -468,6 +468,10 @@ impl<'a> StreamReceiver<'a> {
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
         let mut marked = Instant::now();
+        // A DIGEST sent before the pause: after it only the regions that
+        // changed come (DIGEST_UPDATE).
+        let regions = memory::size(mem).div_ceil(digest.region() as u64) as usize;
+        let mut provisional: Option<Vec<u64>> = None;
         let state: Vec<u8> = loop {
             // Hand what landed to the digest as it lands, not only at an
             // iteration's end: a switch to post-copy (or the end) then
@@ -483,6 +487,9 @@ impl<'a> StreamReceiver<'a> {
                     digest.mark(memory::take_vmm_dirty(mem));
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
+                FrameKind::Digest => {
+                    provisional = Some(Digest::decode(&self.frame.buf, digest.region(), regions)?.hashes);
+                }
                 FrameKind::WarmBlocks | FrameKind::DiskWritten | FrameKind::WarmData if !self.opens_storage => {}
                 FrameKind::WarmData => {
                     let Some(warm) = self.warm.as_ref() else {
@@ -521,13 +528,21 @@ impl<'a> StreamReceiver<'a> {
         shared.wait_applied(final_iteration)?;
         digest.mark(memory::take_vmm_dirty(mem));
         let mut ours = digest.hashes();
-        self.next(reader)?;
+        let mut theirs = match self.next(reader)? {
+            FrameKind::DigestUpdate => {
+                let update = DigestUpdate::decode(&self.frame.buf, digest.region(), ours.len())?;
+                let Some(before) = provisional.take() else {
+                    return Err(WireError::Unexpected { got: FrameKind::DigestUpdate, expected: "DIGEST" }.into());
+                };
+                Digest { region: digest.region(), hashes: update.apply(before) }
+            }
+            _ => Digest::decode(&self.frame.buf, digest.region(), ours.len())?,
+        };
         // Verify; on a mismatch ask for those regions again (the repair
         // pass), then compare anew.
         let mut rounds = 0;
         let mut repair_iteration = final_iteration;
         loop {
-            let theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
             let mismatched = theirs.differing(&ours);
             let Some(&first) = mismatched.first() else { break };
             if rounds == MAX_REPAIR_ROUNDS || mismatched.len() > protocol::messages::MAX_MISMATCH {
@@ -552,6 +567,7 @@ impl<'a> StreamReceiver<'a> {
             shared.wait_applied(repair_iteration)?;
             digest.mark(memory::take_vmm_dirty(mem));
             ours = digest.hashes();
+            theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
         }
         Ok(MemoryEnd::State(state))
     }

@@ -13,8 +13,9 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// low half of xxh3-128, what far memory keeps of each far copy; 6
 /// POSTCOPY_PREPARE and POSTCOPY_PREPARED: the destination drops stale
 /// pages while the guest still runs at the source; and
-/// POSTCOPY_PAGES_COMPRESSED).
-pub const VERSION: u32 = 6;
+/// POSTCOPY_PAGES_COMPRESSED; 7 DIGEST before the pause and
+/// DIGEST_UPDATE after it).
+pub const VERSION: u32 = 7;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -93,6 +94,9 @@ pub enum FrameKind {
     /// A POSTCOPY_PAGES payload compressed by lz4 or zstd (the background
     /// push's, while compressing pays).
     PostcopyPagesCompressed = 29,
+    /// The regions whose hashes changed since a DIGEST sent before the
+    /// pause: with it, the destination's expected digest.
+    DigestUpdate = 30,
 }
 
 impl FrameKind {
@@ -129,6 +133,7 @@ impl FrameKind {
             27 => PostcopyPrepare,
             28 => PostcopyPrepared,
             29 => PostcopyPagesCompressed,
+            30 => DigestUpdate,
             _ => return None,
         })
     }

@@ -275,6 +275,73 @@ impl Digest {
     }
 }
 
+/// DIGEST_UPDATE: the regions whose hashes changed since the DIGEST sent
+/// before the pause (the last pages' regions), so that the stop carries a
+/// few of them instead of every region's (128 KiB for 4 GiB, a millisecond
+/// at 1 Gbit/s).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DigestUpdate {
+    /// Bytes per region.
+    pub region: u32,
+    /// (region index, its hash), each index below the region count.
+    pub changed: Vec<(u32, u64)>,
+}
+
+impl DigestUpdate {
+    /// The regions where `now` differs from `before` (of equal length).
+    pub fn between(region: u32, before: &[u64], now: &[u64]) -> DigestUpdate {
+        let changed = before.iter().zip(now).enumerate().filter(|(_, (a, b))| a != b);
+        DigestUpdate { region, changed: changed.map(|(i, (_, &h))| (i as u32, h)).collect() }
+    }
+
+    /// Serializes the payload: `region u32, count u32, (index u32, hash u64)[count]`.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + self.changed.len() * 12);
+        out.extend_from_slice(&self.region.to_le_bytes());
+        out.extend_from_slice(&(self.changed.len() as u32).to_le_bytes());
+        for (index, hash) in &self.changed {
+            out.extend_from_slice(&index.to_le_bytes());
+            out.extend_from_slice(&hash.to_le_bytes());
+        }
+        out
+    }
+
+    /// Parses a payload about `region`-byte regions (what HELLO agreed),
+    /// `regions` of them: at most that many entries, each index below it.
+    pub fn decode(payload: &[u8], region: u32, regions: usize) -> Result<DigestUpdate, WireError> {
+        let mut f = Fields::new(FrameKind::DigestUpdate, payload);
+        let got_region = f.u32()?;
+        let count = f.u32()? as usize;
+        if got_region != region {
+            return Err(WireError::bad("digest_update.region", format!("{got_region}, HELLO said {region}")));
+        }
+        if count > regions {
+            return Err(WireError::bad("digest_update.count", format!("{count}, memory has {regions} regions")));
+        }
+        if f.rest().len() != count * 12 {
+            return Err(WireError::Truncated(FrameKind::DigestUpdate));
+        }
+        let mut changed = Vec::with_capacity(count);
+        for _ in 0..count {
+            let (index, hash) = (f.u32()?, f.u64()?);
+            if index as usize >= regions {
+                return Err(WireError::bad("digest_update.index", format!("{index}, memory has {regions} regions")));
+            }
+            changed.push((index, hash));
+        }
+        f.finish()?;
+        Ok(DigestUpdate { region, changed })
+    }
+
+    /// `before` (a DIGEST's hashes) with the changed regions applied.
+    pub fn apply(&self, mut before: Vec<u64>) -> Vec<u64> {
+        for &(index, hash) in &self.changed {
+            before[index as usize] = hash;
+        }
+        before
+    }
+}
+
 /// MISMATCH: the destination's memory differs in these digest regions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch {

@@ -48,7 +48,8 @@ pub use frame::{
 pub use kind::{FrameKind, WireError, MAGIC, MAX_PAYLOAD, SECURE_MAGIC, VERSION};
 pub use limits::{check_granularity, MAX_CHANNELS, MAX_REPAIR_ROUNDS, MAX_SHARDS};
 pub use messages::{
-    ChannelOpen, Digest, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed, HELLO_FAR_MEMORY, HELLO_POSTCOPY,
+    ChannelOpen, Digest, DigestUpdate, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed, HELLO_FAR_MEMORY,
+    HELLO_POSTCOPY,
 };
 pub use postcopy::{PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, Resume, ResumeAck, MAX_REQUEST};
 pub use shard::{shard_codecs, ShardLayout};

@@ -7,8 +7,10 @@
 //! Source                                  Receiver
 //!   Setup ──HELLO/ACCEPT──> Iterating       Hello ──HELLO──> Iterating
 //!   Iterating ──(stop)──> StopAndCopy       Iterating ──PAGES, ITERATION_END──> Iterating
+//!   (DIGEST before the pause)                Iterating ──DIGEST──> Iterating (kept)
 //!   StopAndCopy ──STATE, DIGEST──> Verifying Iterating ──STATE──> AwaitDigest
-//!   Verifying ──MISMATCH──> Verifying        AwaitDigest ──DIGEST──> Ready | Repairing
+//!     (or DIGEST_UPDATE after a DIGEST)      AwaitDigest ──DIGEST or DIGEST_UPDATE──>
+//!   Verifying ──MISMATCH──> Verifying          Ready | Repairing
 //!   Verifying ──READY──> Committing          Repairing ──PAGES, ITERATION_END──> Repairing
 //!   Committing ──RESUMED──> Completed        Repairing ──DIGEST──> Ready | Repairing
 //!   any ──error──> Failed                    Ready ──COMMIT──> Committed
@@ -149,10 +151,17 @@ impl ReceiverState {
                     kind.carries_pages()
                         || matches!(
                             kind,
-                            IterationEnd | State | Postcopy | PostcopyPrepare | WarmBlocks | DiskWritten | WarmData
+                            IterationEnd
+                                | State
+                                | Digest
+                                | Postcopy
+                                | PostcopyPrepare
+                                | WarmBlocks
+                                | DiskWritten
+                                | WarmData
                         )
                 }
-                R::AwaitDigest => kind == Digest,
+                R::AwaitDigest => matches!(kind, Digest | DigestUpdate),
                 // Repairs go out whole and plain (never compressed).
                 R::Repairing => matches!(kind, Pages | IterationEnd | Digest),
                 R::Ready => kind == Commit,
@@ -168,9 +177,11 @@ impl ReceiverState {
         match self {
             ReceiverState::Hello => "HELLO",
             ReceiverState::FarMap => "FAR_MEMORY or FAR_PAGES",
-            ReceiverState::Iterating => "PAGES, ITERATION_END, STATE, POSTCOPY_PREPARE, POSTCOPY or a disk frame",
+            ReceiverState::Iterating => {
+                "PAGES, ITERATION_END, STATE, DIGEST, POSTCOPY_PREPARE, POSTCOPY or a disk frame"
+            }
             ReceiverState::Preparing => "POSTCOPY_PREPARE, POSTCOPY or DISK_WRITTEN",
-            ReceiverState::AwaitDigest => "DIGEST",
+            ReceiverState::AwaitDigest => "DIGEST or DIGEST_UPDATE",
             ReceiverState::Repairing => "PAGES or DIGEST",
             ReceiverState::Ready => "COMMIT",
             ReceiverState::Switching => "STATE",
@@ -193,7 +204,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 27] = [
+    const ALL: [FrameKind; 28] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -221,6 +232,7 @@ mod tests {
         FrameKind::PostcopyPrepare,
         FrameKind::PostcopyPrepared,
         FrameKind::PostcopyPagesCompressed,
+        FrameKind::DigestUpdate,
     ];
 
     #[test]
@@ -228,7 +240,9 @@ mod tests {
         use ReceiverState as R;
         let accepted = |s: R| ALL.iter().filter(|&&k| s.accepts(k)).count();
         assert_eq!(accepted(R::Hello), 2);
-        assert_eq!(accepted(R::Iterating), 11);
+        assert_eq!(accepted(R::Iterating), 12);
+        assert_eq!(accepted(R::AwaitDigest), 3);
+        assert!(!R::Repairing.accepts(FrameKind::DigestUpdate));
         assert_eq!(accepted(R::Preparing), 4);
         assert_eq!(accepted(R::Postcopy), 4);
         assert_eq!(accepted(R::Repairing), 4);

@@ -92,6 +92,7 @@ fn migrate_with(
         state: SourceState::Setup,
         start,
         pending: None,
+        digest_sent: None,
         reader: None,
         engine: None,
         bandwidth: Arc::new(AtomicU64::new(0)),
@@ -207,6 +208,8 @@ struct SourceRun<'a> {
     start: Instant,
     /// Dirty pages still to send when iterating stopped.
     pending: Option<DirtyBitmap>,
+    /// The digest sent before the pause: the stop sends what changed.
+    digest_sent: Option<Vec<u64>>,
     /// Channel 0's reading half: replies, and a last ERROR frame.
     reader: Option<std::io::BufReader<Stream>>,
     /// The encode and send stages.

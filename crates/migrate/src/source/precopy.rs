@@ -13,7 +13,7 @@ use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
-use crate::protocol::SourceState;
+use crate::protocol::{Digest, FrameKind, SourceState};
 use crate::stats::{IterationStats, StopReason};
 
 /// Unhashed pages (4 MiB) above which a converged pre-copy lets the
@@ -136,9 +136,16 @@ impl SourceRun<'_> {
                 return Err(SourceError::NotConverged(reason.name().into()));
             }
             if reason.converged() {
-                // What is queued in the link goes out while the guest still
-                // runs: the destination checks the digest only after it.
-                // What the guest dirties meanwhile joins the final pages.
+                // The digest as it stands goes now (the stop sends only the
+                // regions that change), and what is queued in the link goes
+                // out while the guest still runs: the destination checks
+                // the digest only after it. What the guest dirties
+                // meanwhile joins the final pages.
+                if let Some(hashes) = self.digest.as_ref().map(|d| d.hashes()) {
+                    let digest = Digest { region: self.options.digest_region, hashes };
+                    self.write_control(FrameKind::Digest, &digest.encode())?;
+                    self.digest_sent = Some(digest.hashes);
+                }
                 self.engine().drain(DRAINED, DRAIN_LIMIT);
             }
             // Without manual protect, `bitmap` was cleared in KVM: keep
