@@ -42,6 +42,11 @@ pub struct IncrementalDigest {
     regions: Vec<u64>,
     /// Per region: some page of it is stale.
     stale_regions: Vec<bool>,
+    /// The stale pages, and the stale regions in the order marked: a
+    /// refresh of a few pages (each stop's, on both ends) visits only
+    /// theirs, not every page's flag (a million per 4 GiB).
+    stale_count: usize,
+    stale_list: Vec<u32>,
 }
 
 impl IncrementalDigest {
@@ -56,6 +61,8 @@ impl IncrementalDigest {
             stale_pages: vec![true; pages],
             regions: vec![0; regions],
             stale_regions: vec![true; regions],
+            stale_count: pages,
+            stale_list: (0..regions as u32).collect(),
         }
     }
 
@@ -68,8 +75,12 @@ impl IncrementalDigest {
         let per_region = self.pages_per_region();
         for page in dirty.iter() {
             if let Some(mark) = self.stale_pages.get_mut(page as usize) {
+                self.stale_count += usize::from(!*mark);
                 *mark = true;
-                self.stale_regions[page as usize / per_region] = true;
+                let region = page as usize / per_region;
+                if !std::mem::replace(&mut self.stale_regions[region], true) {
+                    self.stale_list.push(region as u32);
+                }
             }
         }
     }
@@ -81,38 +92,47 @@ impl IncrementalDigest {
         let count = self.regions.len();
         // Threads pay only for real work (and a short-lived thread's
         // teardown outlives its scope, which leak checkers flag).
-        let stale = self.stale_pages.iter().filter(|&&s| s).count();
+        let stale = std::mem::take(&mut self.stale_count);
         let threads = if stale * PAGE_SIZE < MIN_BYTES_PER_THREAD { 1 } else { threads.clamp(1, count.max(1)) };
-        let regions_per_thread = count.div_ceil(threads).max(1);
+        let mut stale_list = std::mem::take(&mut self.stale_list);
         let pagemap = memory::Pagemap::open().ok();
-        let chunks = self
-            .regions
-            .chunks_mut(regions_per_thread)
-            .zip(self.stale_regions.chunks_mut(regions_per_thread))
-            .zip(self.pages.chunks_mut(regions_per_thread * per_region))
-            .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region))
-            .enumerate()
-            .map(|(t, (((regions, stale_regions), pages), stale_pages))| Slice {
-                far: self.far.as_deref(),
-                first_page: (t * regions_per_thread * per_region) as u64,
-                per_region,
-                regions,
-                stale_regions,
-                pages,
-                stale_pages,
-            });
-        if threads == 1 {
-            chunks.map(|slice| slice.hash(mem, pagemap.as_ref())).sum()
+        let slice = |first_page: u64, regions, stale_regions, pages, stale_pages| Slice {
+            far: self.far.as_deref(),
+            first_page,
+            per_region,
+            regions,
+            stale_regions,
+            pages,
+            stale_pages,
+        };
+        let hashed = if threads == 1 {
+            // Only the regions marked, not every region's flag.
+            let mut all = slice(0, &mut self.regions, &mut self.stale_regions, &mut self.pages, &mut self.stale_pages);
+            all.hash_regions(stale_list.iter().map(|&r| r as usize), mem, pagemap.as_ref())
         } else {
+            let regions_per_thread = count.div_ceil(threads).max(1);
+            let chunks = self
+                .regions
+                .chunks_mut(regions_per_thread)
+                .zip(self.stale_regions.chunks_mut(regions_per_thread))
+                .zip(self.pages.chunks_mut(regions_per_thread * per_region))
+                .zip(self.stale_pages.chunks_mut(regions_per_thread * per_region))
+                .enumerate()
+                .map(|(t, (((regions, stale_regions), pages), stale_pages))| {
+                    slice((t * regions_per_thread * per_region) as u64, regions, stale_regions, pages, stale_pages)
+                });
             let pagemap = pagemap.as_ref();
             std::thread::scope(|scope| {
                 let handles: Vec<_> = chunks
                     .filter(|slice| slice.stale_regions.contains(&true))
-                    .map(|slice| scope.spawn(move || slice.hash(mem, pagemap)))
+                    .map(|mut slice| scope.spawn(move || slice.hash_regions(0..slice.regions.len(), mem, pagemap)))
                     .collect();
                 handles.into_iter().map(|h| h.join().expect("digest thread")).sum()
             })
-        }
+        };
+        stale_list.clear();
+        self.stale_list = stale_list;
+        hashed
     }
 
     /// The region hashes (valid after a refresh with the guest paused).
@@ -175,16 +195,23 @@ struct Slice<'a> {
 }
 
 impl Slice<'_> {
-    /// Hashes the stale pages and their regions; returns the pages hashed.
-    fn hash(self, mem: &GuestMemory, pagemap: Option<&memory::Pagemap>) -> usize {
+    /// Hashes the stale pages of the given regions (indices into this
+    /// slice; regions not stale are passed over) and the regions; returns
+    /// the pages hashed.
+    fn hash_regions(
+        &mut self,
+        which: impl Iterator<Item = usize>,
+        mem: &GuestMemory,
+        pagemap: Option<&memory::Pagemap>,
+    ) -> usize {
         let per_region = self.per_region;
         let zero_page = zero_page_hash();
         let mut page = [0u8; PAGE_SIZE];
         let mut populated = vec![true; per_region];
         let mut combined = Vec::with_capacity(per_region * 8);
         let mut n = 0;
-        for (r, (hash, stale)) in self.regions.iter_mut().zip(self.stale_regions.iter_mut()).enumerate() {
-            if !std::mem::take(stale) {
+        for r in which {
+            if !std::mem::take(&mut self.stale_regions[r]) {
                 continue;
             }
             let first = r * per_region;
@@ -212,7 +239,7 @@ impl Slice<'_> {
             }
             combined.clear();
             combined.extend(self.pages[first..last].iter().flat_map(|h| h.to_le_bytes()));
-            *hash = xxh3_64(&combined);
+            self.regions[r] = xxh3_64(&combined);
         }
         n
     }
