@@ -329,6 +329,12 @@ impl Engine {
         self.writers[channel as usize].lock().unwrap()
     }
 
+    /// Channel 0's lowest round trip so far (TCP), unless its sender is
+    /// writing just now.
+    pub fn round_trip(&self) -> Option<Duration> {
+        self.writers[0].try_lock().ok().and_then(|w| super::send::min_rtt(&w))
+    }
+
     /// Waits (at most `limit`) while some channel's sender is writing or
     /// its socket holds more than what a link of `rate` bytes per second
     /// carries in its round trip plus `lead`. Where the link is the
@@ -339,7 +345,7 @@ impl Engine {
     /// waits.
     pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) {
         let deadline = Instant::now() + limit;
-        let rtt = self.writers[0].try_lock().ok().and_then(|w| super::send::min_rtt(&w)).unwrap_or_default();
+        let rtt = self.round_trip().unwrap_or_default();
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let busy = || {
             self.writers.iter().any(|w| {

@@ -23,7 +23,21 @@ pub struct PrecopyPolicy {
     bytes_per_page: f64,
     /// The guest's throttle, when `auto_converge` is on.
     pub auto_converge: AutoConverge,
+    /// The link's round trip (channel 0's lowest), when known.
+    pub round_trip: Duration,
 }
+
+/// The least an iteration must send to measure the link's rate by.
+const RATE_SAMPLE: u64 = 4 << 20;
+
+/// The stop's work besides sending pages and waiting for round trips, on
+/// both ends: pausing the vCPU and saving its state, the last look at the
+/// dirty log, both digests' last pages, restoring and starting the vCPU at
+/// the destination. Measured on this 2-core host for 4 GiB at 1 Gbit/s:
+/// 2.6-3.4 ms of VMM downtime with a few final pages, of which ~0.5 ms
+/// were pages and state on the wire and ~0.2 ms two round trips.
+/// (Expected and measured agree within 20 % there.)
+const STOP_WORK: Duration = Duration::from_micros(2500);
 
 /// What to do after an iteration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,15 +92,16 @@ const SHRINKING: f64 = 0.5;
 const SHORT_ENOUGH: Duration = Duration::from_millis(1);
 
 /// Whether pre-copy, whose rest now fits the downtime limit, should still
-/// iterate because the dirty set is still shrinking fast (the end game).
+/// iterate because the dirty set is still shrinking fast (the end game);
+/// `sending`: how long the rest takes on the wire.
 fn ends_sooner_later(
     it: &IterationStats,
     remaining: u64,
     iterations: u32,
-    expected: Duration,
+    sending: Duration,
     options: &MigrateOptions,
 ) -> bool {
-    expected > SHORT_ENOUGH
+    sending > SHORT_ENOUGH
         && iterations < options.max_iterations
         && remaining as f64 <= SHRINKING * it.dirty_pages as f64
 }
@@ -101,6 +116,7 @@ impl Default for PrecopyPolicy {
             bandwidth: 0.0,
             bytes_per_page: (PAGE_SIZE + RECORD_HEADER) as f64,
             auto_converge: AutoConverge::default(),
+            round_trip: Duration::ZERO,
         }
     }
 }
@@ -115,14 +131,23 @@ impl PrecopyPolicy {
         if it.index > 0 && it.pages_sent > 0 {
             self.bytes_per_page = it.bytes_on_wire as f64 / it.pages_sent as f64;
         }
-        if it.duration_ms > 1.0 {
+        // A short iteration measures its latency, not the link: a few
+        // hundred KiB of the end game's went out at a fifth of the rate.
+        if it.duration_ms > 1.0 && (it.bytes_on_wire >= RATE_SAMPLE || self.bandwidth == 0.0) {
             self.bandwidth = it.bytes_on_wire as f64 / (it.duration_ms / 1e3);
         }
         self.bandwidth_for(options)
     }
 
-    /// How long sending `pages` dirty pages should take.
+    /// How long a stop with `pages` dirty pages should take: sending
+    /// them, the stop's own work and its two round trips (the digest's
+    /// check, the commit).
     pub fn expected(&self, pages: u64, bandwidth: f64) -> Duration {
+        self.sending(pages, bandwidth) + STOP_WORK + 2 * self.round_trip
+    }
+
+    /// How long sending `pages` dirty pages should take.
+    fn sending(&self, pages: u64, bandwidth: f64) -> Duration {
         Duration::from_secs_f64(pages as f64 * self.bytes_per_page / bandwidth)
     }
 
@@ -138,11 +163,12 @@ impl PrecopyPolicy {
         memory_bytes: u64,
         options: &MigrateOptions,
     ) -> Decision {
-        let expected = self.expected(remaining, self.bandwidth_for(options));
+        let bandwidth = self.bandwidth_for(options);
+        let expected = self.expected(remaining, bandwidth);
         let stop = if remaining == 0 {
             Some(StopReason::NoDirtyPages)
         } else if expected <= options.downtime_limit {
-            if ends_sooner_later(it, remaining, iterations, expected, options) {
+            if ends_sooner_later(it, remaining, iterations, self.sending(remaining, bandwidth), options) {
                 return Decision::Continue { throttle: None };
             }
             Some(StopReason::Converged)

@@ -86,6 +86,9 @@ impl SourceRun<'_> {
 
             vm.dirty_log(&mut bitmap)?;
             self.send_disk_written()?;
+            if let Some(rtt) = self.engine().round_trip() {
+                self.policy.round_trip = rtt;
+            }
             let remaining = bitmap.count();
             self.stats.expected_downtime_ms = ms(self.policy.expected(remaining, bw));
             let decision = self.policy.decide(
