@@ -35,8 +35,9 @@ const RATE_SAMPLE: u64 = 4 << 20;
 /// dirty log, both digests' last pages, restoring and starting the vCPU at
 /// the destination. Measured on this 2-core host for 4 GiB at 1 Gbit/s:
 /// 2.6-3.4 ms of VMM downtime with a few final pages, of which ~0.5 ms
-/// were pages and state on the wire and ~0.2 ms two round trips.
-/// (Expected and measured agree within 20 % there.)
+/// were pages and state on the wire and ~0.2 ms two round trips (idle 4
+/// GiB: 2.5 ms expected, 2.4-2.8 measured; pausing the vCPU sometimes
+/// takes 10-20 ms, which no estimate foresees).
 const STOP_WORK: Duration = Duration::from_micros(2500);
 
 /// What to do after an iteration.

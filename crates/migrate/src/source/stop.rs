@@ -73,7 +73,6 @@ impl SourceRun<'_> {
             }
             None => self.write_control(FrameKind::Digest, &Digest { region, hashes: hashes.clone() }.encode())?,
         }
-
         self.stats.bytes_on_wire = self.engine().bytes();
         laps(&mut breakdown.source_digest_ms);
 
