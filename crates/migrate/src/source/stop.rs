@@ -66,12 +66,13 @@ impl SourceRun<'_> {
         let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
         let region_count = hashes.len();
         let region = self.options.digest_region;
+        let whole = || Digest { region, hashes: hashes.clone() }.encode();
         match self.digest_sent.take() {
             Some(before) => {
                 let update = DigestUpdate::between(region, &before, &hashes);
                 self.write_control(FrameKind::DigestUpdate, &update.encode())?;
             }
-            None => self.write_control(FrameKind::Digest, &Digest { region, hashes: hashes.clone() }.encode())?,
+            None => self.write_control(FrameKind::Digest, &whole())?,
         }
         self.stats.bytes_on_wire = self.engine().bytes();
         laps(&mut breakdown.source_digest_ms);
@@ -86,7 +87,7 @@ impl SourceRun<'_> {
                     rounds += 1;
                     let mismatch = Mismatch::decode(&frame, region_count)?;
                     self.resend_regions(&mismatch.regions, iteration + rounds)?;
-                    self.write_control(FrameKind::Digest, &Digest { region, hashes: hashes.clone() }.encode())?;
+                    self.write_control(FrameKind::Digest, &whole())?;
                 }
                 FrameKind::Error => return Err(SourceError::Refused(ErrorMessage::decode(&frame).0)),
                 other => return Err(protocol::WireError::Unexpected { got: other, expected: "READY" }.into()),
