@@ -585,6 +585,12 @@ impl PageDecoder {
         Ok(())
     }
 
+    /// Whether a page that arrived another way (in sub-pages) must be
+    /// observed: the XBZRLE cache keeps whole pages.
+    pub fn keeps_pages(&self) -> bool {
+        self.xbzrle.is_some()
+    }
+
     /// A non-zero page that arrived raw: keeps the XBZRLE cache in step.
     pub fn observe(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         if let Some(x) = &mut self.xbzrle {

@@ -124,9 +124,6 @@ impl MigrateOptions {
     /// Combinations the engine refuses, as a message.
     pub fn check(&self) -> Result<(), String> {
         crate::subpage::check_granularity(self.granularity)?;
-        if self.granularity < 4096 && self.codecs.xbzrle.is_some() {
-            return Err("xbzrle and sub-page granularity do not mix: sub-pages already send only what changed".into());
-        }
         if !(64..=4096).contains(&self.batch_pages) || !self.batch_pages.is_multiple_of(64) {
             return Err(format!("--batch-pages must be a multiple of 64 from 64 to 4096, not {}", self.batch_pages));
         }

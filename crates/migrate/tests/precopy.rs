@@ -228,6 +228,33 @@ fn every_codec_list_migrates_and_verifies() {
 }
 
 #[test]
+fn sub_pages_and_xbzrle_combine() {
+    if !kvm_or_skip() {
+        return;
+    }
+    // XBZRLE codes the pages whose every sub-page changed; both caches
+    // take in the pages sent in sub-pages, or its deltas would be against
+    // stale bytes and the digest would differ.
+    let (mut subpages, mut xbzrle) = (0, 0);
+    for workload in ["kv", "stream", "sparse", "zero-clear"] {
+        for granularity in [128, 1024] {
+            let options = MigrateOptions {
+                granularity,
+                codecs: "zero,xbzrle=16M".parse().unwrap(),
+                max_bandwidth: Some(200_000_000),
+                ..Default::default()
+            };
+            let args = format!("workload={workload} wss=16M");
+            let stats = migrate_sized(64 << 20, &args, options, Duration::from_millis(350));
+            assert_eq!(stats.regions_repaired, 0, "{args} at {granularity}");
+            subpages += stats.subpage.as_ref().unwrap().subpages_sent;
+            xbzrle += stats.codec.get("xbzrle").map_or(0, |c| c.pages);
+        }
+    }
+    assert!(subpages > 0 && xbzrle > 0, "sub-pages {subpages}, xbzrle pages {xbzrle}");
+}
+
+#[test]
 fn sequential_mode_migrates_with_channels() {
     if !kvm_or_skip() {
         return;

@@ -93,6 +93,13 @@ fn apply_pages(
                         result = memory::write(mem, addr + offset as u64, bytes);
                     }
                 });
+                // XBZRLE codes the pages sent whole against what was last
+                // sent of them: the cache mirrors the source's, which
+                // takes in the page as sub-pages left it.
+                if result.is_ok() && decoder.keeps_pages() {
+                    result = memory::read_page(mem, index, &mut page);
+                    decoder.observe(index, &page);
+                }
                 result
             }
             Encoding::Rle | Encoding::Xbzrle | Encoding::Dedup => {

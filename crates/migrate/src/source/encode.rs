@@ -190,6 +190,9 @@ impl ShardEncoder {
                     Change::Partial(mask) => {
                         encode_partial(page, self.granularity, mask, &mut self.subpage_buf);
                         self.builder.push(index, Encoding::Subpage, &self.subpage_buf);
+                        // The destination now holds this page: XBZRLE's
+                        // next delta of it is against these bytes.
+                        self.encoder.observe_raw(index, page);
                     }
                 }
             }
