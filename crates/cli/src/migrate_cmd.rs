@@ -7,9 +7,9 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
+use tsubame_migrate::options::parse_granularity;
 use tsubame_migrate::secure::{Psk, TlsConfig};
 use tsubame_migrate::stats::Status;
-use tsubame_migrate::subpage::check_granularity;
 use tsubame_migrate::transport::Security;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions, MigrationStats, Progress};
 use tsubame_vmm::PAGE_SIZE;
@@ -70,10 +70,14 @@ pub struct MigrateFlags {
     #[arg(long, value_name = "LIST", default_value = "zero")]
     pub codec: String,
     /// Send only the changed BYTES-sized sub-pages of each dirty page
-    /// (a power of two, 64 to 4096; 4096 sends whole pages). With the
-    /// shadow detector, XBZRLE is unnecessary: only changed bytes go out.
-    #[arg(long, value_name = "BYTES", default_value_t = 4096)]
-    pub granularity: u32,
+    /// (a power of two, 64 to 4096; 4096 sends whole pages). `auto` (the
+    /// default) starts with 128-byte sub-pages and sends whole pages from
+    /// the moment sub-pages save under 1/16 of the bytes of the pages sent
+    /// again (a guest that rewrites whole pages); whole pages from the
+    /// start with --zero-copy or --gpu. XBZRLE, when asked for, codes the
+    /// pages whose every sub-page changed.
+    #[arg(long, value_name = "BYTES", default_value = "auto")]
+    pub granularity: String,
     /// How changed sub-pages are found: `hash` keeps a 64-bit hash per
     /// sub-page (1/16 of memory at 128 B; the final memory verification
     /// catches a collision and re-sends the region); `shadow` keeps a copy
@@ -158,7 +162,8 @@ impl MigrateFlags {
         if self.max_iterations == 0 || self.max_iterations > 1000 {
             return Err(usage_error("--max-iterations must be between 1 and 1000"));
         }
-        check_granularity(self.granularity).map_err(|e| usage_error(format!("--granularity: {e}")))?;
+        let (granularity, granularity_auto) =
+            parse_granularity(&self.granularity).map_err(|e| usage_error(format!("--granularity: {e}")))?;
         let subpage_detector =
             self.subpage_detect.parse().map_err(|e: String| usage_error(format!("--subpage-detect: {e}")))?;
         let codecs = self.codec.parse().map_err(|e: tsubame_codec::CodecError| usage_error(format!("--codec: {e}")))?;
@@ -173,7 +178,8 @@ impl MigrateFlags {
             max_iterations: self.max_iterations,
             abort_if_not_converged: self.abort_if_not_converged,
             auto_converge: self.auto_converge,
-            granularity: self.granularity,
+            granularity,
+            granularity_auto,
             subpage_detector,
             channels: self.channels,
             encode_threads: self.encode_threads.unwrap_or_else(tsubame_migrate::options::default_encode_threads),
@@ -358,6 +364,14 @@ pub fn print_summary(stats: &MigrationStats) {
             sub.pages_unchanged,
             sub.pages_zeroed,
         );
+        if let Some(saved) = sub.saved_share() {
+            let whole = sub.whole_pages_from.map_or(String::new(), |i| format!("; whole pages from iteration {i}"));
+            println!(
+                "               of {} pages sent again, {:.0} % of the bytes saved{whole}",
+                sub.resent_pages,
+                saved * 100.0
+            );
+        }
     }
     if let Some(pipeline) = &stats.pipeline {
         let stages: Vec<String> = pipeline

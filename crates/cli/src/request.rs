@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tsubame_migrate::options::parse_granularity;
 use tsubame_migrate::secure::{Psk, TlsConfig};
 use tsubame_migrate::subpage::Detector;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
@@ -28,8 +29,8 @@ pub struct MigrateRequest {
     pub abort_if_not_converged: Option<bool>,
     /// Throttle the guest while it outruns the link.
     pub auto_converge: Option<bool>,
-    /// Sub-page bytes (4096: whole pages).
-    pub granularity: Option<u32>,
+    /// Sub-page bytes (4096: whole pages), or "auto".
+    pub granularity: Option<serde_json::Value>,
     /// shadow or hash.
     pub subpage_detect: Option<String>,
     /// A codec list, as `--codec`.
@@ -104,7 +105,7 @@ impl MigrateRequest {
             max_iterations: Some(options.max_iterations),
             abort_if_not_converged: Some(options.abort_if_not_converged),
             auto_converge: Some(options.auto_converge),
-            granularity: Some(options.granularity),
+            granularity: Some(if options.granularity_auto { "auto".into() } else { options.granularity.into() }),
             subpage_detect: Some(
                 match options.subpage_detector {
                     Detector::Shadow => "shadow",
@@ -147,9 +148,13 @@ impl MigrateRequest {
             }
             options.max_iterations = n;
         }
-        if let Some(g) = self.granularity {
-            tsubame_migrate::subpage::check_granularity(g)?;
-            options.granularity = g;
+        if let Some(g) = &self.granularity {
+            let text = match g {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (options.granularity, options.granularity_auto) =
+                parse_granularity(&text).map_err(|e| format!("\"granularity\": {e}"))?;
         }
         if let Some(d) = &self.subpage_detect {
             options.subpage_detector = d.parse()?;
@@ -220,6 +225,7 @@ mod tests {
         let to: Address = "tcp:127.0.0.1:4444".parse().unwrap();
         let options = MigrateOptions {
             granularity: 128,
+            granularity_auto: false,
             channels: 2,
             auto_converge: true,
             max_bandwidth: Some(125_000_000),
@@ -230,7 +236,7 @@ mod tests {
         let text = serde_json::to_value(MigrateRequest::new(&to, &options, &SecurityFiles::default())).unwrap();
         let (back_to, back) = MigrateRequest::parse(&text).unwrap().options().unwrap();
         assert_eq!(back_to, to);
-        assert_eq!(back.granularity, 128);
+        assert_eq!((back.granularity, back.granularity_auto), (128, false));
         assert_eq!(back.channels, 2);
         assert!(back.auto_converge);
         assert_eq!(back.max_bandwidth, Some(125_000_000));
@@ -248,5 +254,9 @@ mod tests {
         assert!(unknown.contains("max_bandwith"), "{unknown}");
         let request = MigrateRequest::parse(&json!({"cmd": "migrate", "to": "unix:/x", "max_iterations": 0})).unwrap();
         assert!(request.options().unwrap_err().contains("max_iterations"));
+        let request = MigrateRequest::parse(&json!({"cmd": "migrate", "to": "unix:/x", "granularity": 100})).unwrap();
+        assert!(request.options().unwrap_err().starts_with("\"granularity\""));
+        let auto = MigrateRequest::parse(&json!({"cmd": "migrate", "to": "unix:/x", "granularity": "auto"})).unwrap();
+        assert!(auto.options().unwrap().1.granularity_auto);
     }
 }

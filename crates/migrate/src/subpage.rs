@@ -76,6 +76,16 @@ pub struct SubpageStats {
     pub pages_zeroed: u64,
     /// Digest regions re-sent by the verification pass.
     pub regions_repaired: u64,
+    /// Dirty pages sent again (the destination held them non-zero) and
+    /// not zero now: what sub-pages can save on.
+    pub resent_pages: u64,
+    /// Bytes their records took: nothing when unchanged, the mask and the
+    /// changed sub-pages, or the whole page.
+    pub resent_bytes: u64,
+    /// `--granularity auto`: the iteration from which whole pages went out
+    /// because sub-pages stopped paying.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whole_pages_from: Option<u32>,
 }
 
 impl SubpageStats {
@@ -93,6 +103,18 @@ impl SubpageStats {
         self.pages_unchanged += other.pages_unchanged;
         self.pages_zeroed += other.pages_zeroed;
         self.regions_repaired += other.regions_repaired;
+        self.resent_pages += other.resent_pages;
+        self.resent_bytes += other.resent_bytes;
+        self.whole_pages_from = match (self.whole_pages_from, other.whole_pages_from) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// The share of the re-sent pages' bytes that sub-pages saved against
+    /// sending them whole (None before any page went twice).
+    pub fn saved_share(&self) -> Option<f64> {
+        (self.resent_pages > 0).then(|| 1.0 - self.resent_bytes as f64 / (self.resent_pages * PAGE_SIZE as u64) as f64)
     }
 }
 
@@ -156,9 +178,11 @@ impl SubpageTracker {
     pub fn diff(&mut self, index: u64, page: &[u8; PAGE_SIZE]) -> Change {
         let g = self.granularity;
         let mut mask = 0u64;
+        let resent;
         match self.detector {
             Detector::Shadow => {
                 let held = &mut self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE];
+                resent = !is_zero((&*held).try_into().expect("a page"));
                 for (i, (now, was)) in page.chunks_exact(g).zip(held.chunks_exact(g)).enumerate() {
                     if now != was {
                         mask |= 1 << i;
@@ -171,6 +195,7 @@ impl SubpageTracker {
             }
             Detector::Hash => {
                 let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
+                resent = held.iter().any(|&h| h != 0);
                 for (i, (now, was)) in page.chunks_exact(g).zip(held.iter_mut()).enumerate() {
                     let h = (xxh3_64(now) & self.hash_mask) ^ self.zero_hash;
                     if h != *was {
@@ -193,11 +218,27 @@ impl SubpageTracker {
         } else {
             Change::Partial(mask)
         };
-        match change {
-            Change::Unchanged => self.stats.pages_unchanged += 1,
-            Change::Zero => self.stats.pages_zeroed += 1,
-            Change::Full => self.stats.pages_full += 1,
-            Change::Partial(m) => self.stats.subpages_sent += m.count_ones() as u64,
+        let bytes = match change {
+            Change::Unchanged => {
+                self.stats.pages_unchanged += 1;
+                0
+            }
+            Change::Zero => {
+                self.stats.pages_zeroed += 1;
+                return change;
+            }
+            Change::Full => {
+                self.stats.pages_full += 1;
+                PAGE_SIZE
+            }
+            Change::Partial(m) => {
+                self.stats.subpages_sent += m.count_ones() as u64;
+                8 + m.count_ones() as usize * g
+            }
+        };
+        if resent {
+            self.stats.resent_pages += 1;
+            self.stats.resent_bytes += bytes as u64;
         }
         change
     }
@@ -289,6 +330,9 @@ mod tests {
             assert_eq!(t.diff(1, &[0u8; PAGE_SIZE]), Change::Zero);
             assert_eq!(t.diff(2, &[7u8; PAGE_SIZE]), Change::Full);
             assert_eq!(t.stats.pages_unchanged, 2);
+            // Sent again: page 1 unchanged, then one sub-page; the zero
+            // page is neither's saving.
+            assert_eq!((t.stats.resent_pages, t.stats.resent_bytes), (2, 8 + 128));
             // Shadow: pages 1 and 2 are two table pages; hash: they share one.
             let resident = if detector == Detector::Shadow { 8192 } else { 4096 };
             assert_eq!(t.stats.memory_resident_bytes, resident);

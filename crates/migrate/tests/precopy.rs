@@ -97,13 +97,45 @@ fn every_workload_at_every_granularity_and_detector() {
             (128, Detector::Shadow),
             (128, Detector::Hash),
         ] {
-            let options = MigrateOptions { granularity, subpage_detector: detector, ..Default::default() };
+            let options = MigrateOptions {
+                granularity,
+                granularity_auto: false,
+                subpage_detector: detector,
+                ..Default::default()
+            };
             let args = format!("workload={workload} wss=16M");
             let stats = migrate_sized(64 << 20, &args, options, Duration::from_millis(350));
             assert_eq!(stats.subpage.is_some(), granularity < 4096, "{args}");
             assert_eq!(stats.regions_repaired, 0, "{args} at {granularity}/{detector:?} needed repair");
         }
     }
+}
+
+#[test]
+fn auto_granularity_keeps_sub_pages_only_where_they_pay() {
+    if !kvm_or_skip() {
+        return;
+    }
+    let auto = |workload: &str| {
+        let options = MigrateOptions {
+            max_bandwidth: Some(200_000_000),
+            max_iterations: 4,
+            encode_threads: 1,
+            ..Default::default()
+        };
+        let args = format!("workload={workload} wss=32M");
+        let stats = migrate_sized(64 << 20, &args, options, Duration::from_millis(350));
+        let choice = stats.choices.iter().find(|c| c.what == "granularity").unwrap().clone();
+        (stats.subpage.unwrap(), choice)
+    };
+    // kv changes a few bytes of each page it writes: sub-pages stay.
+    let (kv, choice) = auto("kv");
+    assert!(kv.whole_pages_from.is_none() && kv.saved_share().unwrap() > 0.5, "{kv:?}");
+    assert!(choice.why.starts_with("auto: sub-pages saved"), "{choice:?}");
+    // fill-random rewrites every byte: whole pages once that shows.
+    let (random, choice) = auto("fill-random");
+    assert!(random.whole_pages_from.is_some_and(|i| i >= 1), "{random:?}");
+    assert!(choice.chose.contains("whole pages from iteration"), "{choice:?}");
 }
 
 #[test]
@@ -135,6 +167,9 @@ fn capped_bandwidth_bwmem_does_not_converge() {
         max_bandwidth: Some(8_000_000),
         max_iterations: 3,
         postcopy: PostcopyMode::Off,
+        // Whole pages: bwmem writes the same bytes each pass, which
+        // sub-pages would find unchanged.
+        granularity: 4096,
         ..Default::default()
     };
     let memory_bytes = 64 << 20;
@@ -167,6 +202,7 @@ fn auto_converge_throttles_and_a_failed_migration_lets_the_guest_run_freely() {
         auto_converge: true,
         abort_if_not_converged: true,
         postcopy: PostcopyMode::Off,
+        granularity: 4096,
         ..Default::default()
     };
     let mut vm = Vm::create(&VmConfig { memory_bytes: 64 << 20, hugepages: true }).unwrap();
@@ -328,8 +364,11 @@ fn gpu_path_on_the_kernel_emulator_migrates_and_verifies() {
 fn zero_copy_refuses_what_it_cannot_do() {
     let options = MigrateOptions { zero_copy: true, codecs: "zero,xbzrle".parse().unwrap(), ..Default::default() };
     assert!(options.check().unwrap_err().contains("--zero-copy"));
-    let options = MigrateOptions { zero_copy: true, granularity: 128, ..Default::default() };
+    let options = MigrateOptions { zero_copy: true, granularity: 128, granularity_auto: false, ..Default::default() };
     assert!(options.check().is_err());
+    // `--granularity auto` sends whole pages with zero-copy instead.
+    let options = MigrateOptions { zero_copy: true, ..Default::default() };
+    assert_eq!((options.check(), options.start_granularity()), (Ok(()), 4096));
 }
 
 /// Forwards every connection to `to`; bytes from the source on every

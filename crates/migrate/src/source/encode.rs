@@ -22,6 +22,14 @@ use crate::protocol::pages::{
 use crate::protocol::{self, shard_codecs, FrameKind, ShardLayout};
 use crate::subpage::{encode_partial, Change, Detector, SubpageStats, SubpageTracker};
 
+/// `--granularity auto` judges sub-pages on samples of this many re-sent
+/// pages (4 MiB) per shard.
+const SUBPAGE_SAMPLE: u64 = 1024;
+/// Sub-pages are kept while they save at least this share of the re-sent
+/// pages' bytes: below it, hashing every sub-page of every dirty page
+/// costs more CPU (and 1/16 of guest memory) than the bytes it saves.
+pub(super) const SUBPAGES_PAY: f64 = 1.0 / 16.0;
+
 /// One shard's encoder: codecs and caches, sub-page tables, lz4/zstd.
 pub struct ShardEncoder {
     shard: u16,
@@ -31,6 +39,11 @@ pub struct ShardEncoder {
     zero_records: bool,
     encoder: PageEncoder,
     subpage: Option<SubpageTracker>,
+    /// `--granularity auto`: where the current sample of re-sent pages
+    /// began (pages, bytes); None when the granularity is fixed.
+    sample_start: Option<(u64, u64)>,
+    /// The tracker's counters once auto dropped it for whole pages.
+    dropped: Option<SubpageStats>,
     compressor: Option<BatchCompressor>,
     payoff: Payoff,
     builder: PagesBuilder,
@@ -56,6 +69,8 @@ pub struct EncoderSetup<'a> {
     pub codecs: &'a CodecList,
     /// Sub-page size.
     pub granularity: u32,
+    /// Whether whole pages may replace sub-pages once they stop paying.
+    pub granularity_auto: bool,
     /// Sub-page detector.
     pub detector: Detector,
     /// Hash bits that count (tests forge collisions).
@@ -113,6 +128,8 @@ impl ShardEncoder {
                     setup.hash_mask,
                 )
             }),
+            sample_start: setup.granularity_auto.then_some((0, 0)),
+            dropped: None,
             compressor: codecs.batch.map(BatchCompressor::new),
             encoder: PageEncoder::new(&codecs),
             payoff: Payoff::default(),
@@ -206,7 +223,29 @@ impl ShardEncoder {
             self.flush_frame(batch.repair, out);
         }
         self.records += records;
+        self.judge_subpages(batch.iteration);
         Ok(records)
+    }
+
+    /// `--granularity auto`: after each sample of re-sent pages, drops the
+    /// sub-page tracker (its hashing and its table) for whole pages when
+    /// sub-pages saved too little of those pages' bytes. A guest that
+    /// rewrites whole pages (fill-random, bwmem) saves nothing.
+    fn judge_subpages(&mut self, iteration: u32) {
+        let (Some(start), Some(tracker)) = (self.sample_start, &self.subpage) else { return };
+        let (pages, bytes) = (tracker.stats.resent_pages - start.0, tracker.stats.resent_bytes - start.1);
+        if pages < SUBPAGE_SAMPLE {
+            return;
+        }
+        let saved = 1.0 - bytes as f64 / (pages * PAGE_SIZE as u64) as f64;
+        if saved >= SUBPAGES_PAY {
+            self.sample_start = Some((tracker.stats.resent_pages, tracker.stats.resent_bytes));
+            return;
+        }
+        let mut stats = self.subpage.take().expect("checked above").stats;
+        stats.whole_pages_from = Some(iteration);
+        self.dropped = Some(stats);
+        self.sample_start = None;
     }
 
     /// `--gpu`: the whole batch's records come from the GPU, byte for byte
@@ -316,9 +355,9 @@ impl ShardEncoder {
         &self.encoder.stats
     }
 
-    /// Sub-page counters, when tracking sub-pages.
+    /// Sub-page counters, when tracking sub-pages (or until auto dropped them).
     pub fn subpage_stats(&self) -> Option<&SubpageStats> {
-        self.subpage.as_ref().map(|t| &t.stats)
+        self.subpage.as_ref().map(|t| &t.stats).or(self.dropped.as_ref())
     }
 }
 

@@ -288,7 +288,8 @@ impl SourceRun<'_> {
 
         let encoder_setup = EncoderSetup {
             codecs: &options.codecs,
-            granularity: options.granularity,
+            granularity: options.start_granularity(),
+            granularity_auto: options.granularity_auto,
             detector: options.subpage_detector,
             hash_mask: options.subpage_hash_mask,
             pages_total: self.stats.pages_total,
@@ -324,7 +325,7 @@ impl SourceRun<'_> {
             page_size: PAGE_SIZE as u32,
             vcpus: 1,
             digest_region: options.digest_region,
-            granularity: options.granularity,
+            granularity: options.start_granularity(),
             codecs: options.codecs.to_string(),
             session,
             channels: layout.channels,
@@ -422,6 +423,7 @@ impl SourceRun<'_> {
         if let Some(sub) = &mut self.stats.subpage {
             sub.regions_repaired = self.stats.regions_repaired;
         }
+        policy::granularity_choice(&mut self.stats.choices, self.options, self.stats.subpage.as_ref());
         self.stats.pipeline = Some(pipeline);
         writers
     }
