@@ -287,8 +287,17 @@ def test_table_text():
             in table)
     assert "| b | tsubame-auto | qemu-default | – |" in table
     # the default against the best QEMU configuration (qemu-xbzrle's median 9 s) and qemu-default's downtime
-    assert "| a | qemu-xbzrle | 2/3 | 0.56 | 0.50 | 200 |" in table
-    assert "| b | none completed | 1/1 | – | – | 450 |" in table
+    assert "| a | qemu-xbzrle | 2/3 | 0.56 | 0.50 | 200 | – |" in table
+    assert "| b | none completed | 1/1 | – | – | 450 | – |" in table
+
+
+def test_auto_against_the_better_fixed_granularity():
+    runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
+    auto = [r for r in runs if r["config"] == "tsubame-auto"]
+    for name, total in (("tsubame-4096", 8.0), ("tsubame-spp128", 4.0)):
+        runs += [dict(r, config=name, total_time_s=total) for r in auto]
+    [(_, _, figures)] = compare.best_qemu_rows(runs)
+    assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 
 def test_table_from_recorded_run(tmp_path):
