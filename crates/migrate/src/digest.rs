@@ -327,9 +327,15 @@ impl BackgroundDigest {
 
     /// The digest with every marked page hashed.
     pub fn hashes(&self) -> Vec<u64> {
+        self.request_hashes().recv().expect("digest thread answers")
+    }
+
+    /// Asks for the digest with every marked page hashed; it comes on the
+    /// returned channel (for a caller with something to do meanwhile).
+    pub fn request_hashes(&self) -> crossbeam_channel::Receiver<Vec<u64>> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.requests.send(Request::Hashes(tx)).expect("digest thread runs");
-        rx.recv().expect("digest thread answers")
+        rx
     }
 
     /// Each page's hash, every marked page hashed: the start of a digest

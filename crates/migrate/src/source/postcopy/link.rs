@@ -144,6 +144,15 @@ impl PageFrames {
         }
     }
 
+    /// A frame with no records: the source is alive while the link is
+    /// otherwise quiet.
+    pub(super) fn keepalive(&mut self) -> &[u8] {
+        self.out.clear();
+        self.builder.reset(u32::MAX, 0);
+        protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload()).expect("Vec writes");
+        &self.out
+    }
+
     /// The frames carrying `pages`, read from a paused VM's memory.
     pub(super) fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
         self.out.clear();

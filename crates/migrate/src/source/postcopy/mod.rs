@@ -53,6 +53,9 @@ const FEW_STALE: u64 = 64;
 /// behind at most this much of it on a shaped link (10 ms bursts put the
 /// median fault service at ~1 ms at 1 Gbit/s).
 const PUSH_BURST: Duration = Duration::from_millis(1);
+/// How often a source waiting for its digest says it is alive: well
+/// within the destination's I/O timeout (30 s by default).
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 impl SourceRun<'_> {
     /// Pauses the VM, hands it to the destination with the set of pages it
@@ -342,7 +345,24 @@ impl SourceRun<'_> {
         for w in &mut link.writers {
             w.flush().map_err(lost)?;
         }
-        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
+        // The destination takes a link silent for its I/O timeout as cut.
+        // Hashing what changed since the switch can take that long on a
+        // busy host (a 4 GiB guest lost this way beside the fault suite):
+        // meanwhile a POSTCOPY_PAGES frame with no records says the source
+        // is still here.
+        let pending = self.digest.as_ref().expect("pre-copy marked memory").request_hashes();
+        let hashes = loop {
+            match pending.recv_timeout(KEEPALIVE) {
+                Ok(hashes) => break hashes,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    let alive = frames.keepalive();
+                    link.writers[0].write_all(alive).and_then(|_| link.writers[0].flush()).map_err(lost)?;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                    return Err(Heard::Refused("the digest thread ended".into()))
+                }
+            }
+        };
         let digest = Digest { region: self.options.digest_region, hashes };
         write_frame_flushed(&mut link.writers[0], FrameKind::Digest, &digest.encode()).map_err(lost)?;
         loop {
