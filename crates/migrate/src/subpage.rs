@@ -114,8 +114,13 @@ impl SubpageStats {
     /// The share of the re-sent pages' bytes that sub-pages saved against
     /// sending them whole (None before any page went twice).
     pub fn saved_share(&self) -> Option<f64> {
-        (self.resent_pages > 0).then(|| 1.0 - self.resent_bytes as f64 / (self.resent_pages * PAGE_SIZE as u64) as f64)
+        (self.resent_pages > 0).then(|| saved_share(self.resent_pages, self.resent_bytes))
     }
+}
+
+/// The share of `pages` whole pages' bytes saved by sending `bytes`.
+pub fn saved_share(pages: u64, bytes: u64) -> f64 {
+    1.0 - bytes as f64 / (pages * PAGE_SIZE as u64) as f64
 }
 
 /// Tracks what the destination holds, page by page.

@@ -20,7 +20,7 @@ use crate::protocol::pages::{
     CompressedHeader, Encoding, PagesBuilder, PAGES_HEADER, RECORDS_PER_FRAME, RECORD_HEADER,
 };
 use crate::protocol::{self, shard_codecs, FrameKind, ShardLayout};
-use crate::subpage::{encode_partial, Change, Detector, SubpageStats, SubpageTracker};
+use crate::subpage::{encode_partial, saved_share, Change, Detector, SubpageStats, SubpageTracker};
 
 /// `--granularity auto` judges sub-pages on samples of this many re-sent
 /// pages (4 MiB) per shard.
@@ -237,8 +237,7 @@ impl ShardEncoder {
         if pages < SUBPAGE_SAMPLE {
             return;
         }
-        let saved = 1.0 - bytes as f64 / (pages * PAGE_SIZE as u64) as f64;
-        if saved >= SUBPAGES_PAY {
+        if saved_share(pages, bytes) >= SUBPAGES_PAY {
             self.sample_start = Some((tracker.stats.resent_pages, tracker.stats.resent_bytes));
             return;
         }

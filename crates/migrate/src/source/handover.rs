@@ -161,12 +161,11 @@ impl HandoverWatch {
             return false;
         }
         let limit = self.limit.as_secs_f64();
-        let never_converges = probing && {
-            let probe = self.probe_look(dirty, now, pages_total);
+        let never_converges = probing.then(|| self.probe_look(dirty, now, pages_total)).filter(|probe| {
             probe.dirtied >= PROBE_SEEN
                 && probe.rate * probe.exposure >= PROBE_MARGIN * link * limit
                 && probe.rate >= FAR_FROM_CONVERGING * link
-        };
+        });
         let rate = |sample: &[(std::time::Instant, u64, u64)]| {
             if sample.len() >= 4 {
                 Look::of_runs(sample, dirty, now, pages_total).rate
@@ -176,8 +175,7 @@ impl HandoverWatch {
         };
         let (short_rate, mid_rate, long_rate) =
             (rate(&short), rate(&self.sample(now, 2 * SHORT_EXPOSURE)), rate(&self.sample(now, EXPOSURE)));
-        self.seen = if never_converges {
-            let probe = self.probe_look(dirty, now, pages_total);
+        self.seen = if let Some(probe) = never_converges {
             Some((probe.rate, link, Duration::from_secs_f64(probe.exposure)))
         } else if long_rate >= NOT_CONVERGING * link {
             Some((long_rate, link, EXPOSURE))
