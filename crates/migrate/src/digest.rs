@@ -77,11 +77,30 @@ impl IncrementalDigest {
             if let Some(mark) = self.stale_pages.get_mut(page as usize) {
                 self.stale_count += usize::from(!*mark);
                 *mark = true;
-                let region = page as usize / per_region;
-                if !std::mem::replace(&mut self.stale_regions[region], true) {
-                    self.stale_list.push(region as u32);
-                }
+                self.stale_region(page as usize / per_region);
             }
+        }
+    }
+
+    /// Takes the zero page's hash for the pages set in `zeros`, pages read
+    /// as all zeros after their dirty bit was cleared: a write since then
+    /// marks them again, and hashing them would read them a second time.
+    pub fn known_zero(&mut self, zeros: &DirtyBitmap) {
+        let per_region = self.pages_per_region();
+        let zero = zero_page_hash();
+        for page in zeros.iter() {
+            let i = page as usize;
+            if let Some(mark) = self.stale_pages.get_mut(i) {
+                self.stale_count -= usize::from(std::mem::take(mark));
+                self.pages[i] = zero;
+                self.stale_region(i / per_region);
+            }
+        }
+    }
+
+    fn stale_region(&mut self, region: usize) {
+        if !std::mem::replace(&mut self.stale_regions[region], true) {
+            self.stale_list.push(region as u32);
         }
     }
 
@@ -218,7 +237,10 @@ impl Slice<'_> {
             let last = (first + per_region).min(self.pages.len());
             let first_page = self.first_page + first as u64;
             let populated = &mut populated[..last - first];
-            if pagemap.is_none_or(|p| p.populated(mem, first_page, populated).is_err()) {
+            // A region stale only for pages whose hash is known (zeros
+            // read by the fetcher) needs no page map.
+            let reads = self.stale_pages[first..last].contains(&true);
+            if reads && pagemap.is_none_or(|p| p.populated(mem, first_page, populated).is_err()) {
                 populated.fill(true);
             }
             for i in first..last {
@@ -260,7 +282,8 @@ pub struct BackgroundDigest {
 }
 
 enum Request {
-    Mark(DirtyBitmap),
+    /// Pages to hash again, and those of them known to be zeros.
+    Mark(DirtyBitmap, Option<DirtyBitmap>),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
     PageHashes(crossbeam_channel::Sender<Vec<u64>>),
 }
@@ -285,9 +308,12 @@ impl BackgroundDigest {
                     let mut waiting = Vec::new();
                     for request in std::iter::once(first).chain(rx.try_iter()) {
                         match request {
-                            Request::Mark(pages) => {
+                            Request::Mark(pages, zeros) => {
                                 taken += pages.count();
                                 digest.mark(&pages);
+                                if let Some(zeros) = zeros {
+                                    digest.known_zero(&zeros);
+                                }
                             }
                             other => waiting.push(other),
                         }
@@ -300,7 +326,7 @@ impl BackgroundDigest {
                         match request {
                             Request::Hashes(reply) => drop(reply.send(digest.hashes().to_vec())),
                             Request::PageHashes(reply) => drop(reply.send(digest.pages.clone())),
-                            Request::Mark(_) => {}
+                            Request::Mark(..) => {}
                         }
                     }
                 }
@@ -316,8 +342,14 @@ impl BackgroundDigest {
 
     /// Hands over pages to hash.
     pub fn mark(&self, pages: DirtyBitmap) {
+        self.mark_read(pages, None);
+    }
+
+    /// Hands over pages read for sending, of which those in `zeros` were
+    /// all zeros: those take the zero page's hash without being read again.
+    pub fn mark_read(&self, pages: DirtyBitmap, zeros: Option<DirtyBitmap>) {
         self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
-        let _ = self.requests.send(Request::Mark(pages));
+        let _ = self.requests.send(Request::Mark(pages, zeros));
     }
 
     /// Pages handed over and not hashed yet (at most).
@@ -425,6 +457,29 @@ mod tests {
         let mut one = IncrementalDigest::new(&big, 256 << 10, None);
         one.refresh(&big, 1);
         assert_eq!(one.hashes(), memory_digest(&big, 256 << 10, 2));
+    }
+
+    #[test]
+    fn pages_known_zero_are_not_read_again() {
+        let mem = memory::create(16 << 20, false).unwrap();
+        memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
+        let mut digest = IncrementalDigest::new(&mem, 256 << 10, None);
+        digest.refresh(&mem, 1);
+        // The two pages are zeroed and read as zeros; a third changes.
+        let first = (3 << 20) / PAGE_SIZE as u64;
+        memory::write(&mem, 3 << 20, &[0; 8192]).unwrap();
+        memory::write(&mem, 5 << 20, &[1]).unwrap();
+        let mut sent = DirtyBitmap::new(4096);
+        let mut zeros = DirtyBitmap::new(4096);
+        [first, first + 1].into_iter().for_each(|p| {
+            sent.set(p);
+            zeros.set(p);
+        });
+        sent.set((5 << 20) / PAGE_SIZE as u64);
+        digest.mark(&sent);
+        digest.known_zero(&zeros);
+        assert_eq!(digest.refresh(&mem, 1), 1, "only the changed page is read");
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
     }
 
     #[test]

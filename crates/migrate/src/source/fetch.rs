@@ -26,6 +26,9 @@ pub struct Fetcher {
     by_reference: bool,
     /// Far memory's map, and what of it was sent.
     pub far: Option<Arc<FarFilter>>,
+    /// The pages found all zeros (or never populated) after their dirty
+    /// bit was cleared: the digest takes their hash without reading them.
+    pub zeros: DirtyBitmap,
 }
 
 /// Far memory as the fetcher sees it. A page of the map is not sent while
@@ -109,14 +112,16 @@ pub fn remove_unpopulated(memory: &GuestMemory, pages: &mut DirtyBitmap) {
 }
 
 impl Fetcher {
-    /// A fetcher for batches of up to `batch_pages` pages.
-    pub fn new(batch_pages: usize, zero_records: bool, by_reference: bool) -> Fetcher {
+    /// A fetcher for batches of up to `batch_pages` pages of a memory of
+    /// `pages` pages.
+    pub fn new(batch_pages: usize, pages: u64, zero_records: bool, by_reference: bool) -> Fetcher {
         Fetcher {
             pagemap: memory::Pagemap::open().ok(),
             populated: vec![true; batch_pages],
             zero_records,
             by_reference,
             far: None,
+            zeros: DirtyBitmap::new(pages),
         }
     }
 
@@ -152,7 +157,9 @@ impl Fetcher {
                     far.sent.set_bit(index as usize);
                 }
                 let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
-                if backed && !batch.by_reference {
+                if !backed {
+                    self.zeros.set(index);
+                } else if !batch.by_reference {
                     memory::read_page(vm.memory(), index, batch.next_slot())?;
                 }
                 batch.push(index, backed);

@@ -61,14 +61,14 @@ impl SourceRun<'_> {
             // (With auto-converge the throttle gets its chance first.)
             let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto && !self.options.auto_converge)
                 .then(|| HandoverWatch::new(self.options.downtime_limit));
-            let (it, unsent) = self.send_dirty(&bitmap, iteration, watch)?;
+            let Sent { it, unsent, zeros } = self.send_dirty(&bitmap, iteration, watch)?;
             if let Some((unsent, why)) = unsent {
                 self.chose_postcopy(why);
-                self.refresh_digest(&bitmap);
+                self.refresh_digest(&bitmap, Some(zeros));
                 self.stats.per_iteration.push(it);
                 return Ok(PrecopyEnd::Postcopy { missing: unsent, last_iteration: Some(iteration) });
             }
-            self.refresh_digest(&bitmap);
+            self.refresh_digest(&bitmap, Some(zeros));
             let bw = self.policy.observe(&it, self.options);
             let summary = self.engine.as_ref().map_or_else(String::new, |e| e.summary());
             self.progress.update(|p| {
@@ -165,14 +165,15 @@ impl SourceRun<'_> {
     }
 
     /// Hands the pages just sent to the digest thread, which hashes them
-    /// (all memory the first time) while the next iteration runs.
-    pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap) {
+    /// (all memory the first time) while the next iteration runs; those
+    /// the fetch found all zeros (`zeros`, of the same send) it need not read.
+    pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap, zeros: Option<DirtyBitmap>) {
         let vm = self.vm;
         let digest = self.digest.get_or_insert_with(|| {
             let far = self.far_map.as_ref().map(|(_, far)| far.clone());
             digest::BackgroundDigest::start(vm.memory().clone(), self.options.digest_region, far)
         });
-        digest.mark(sent.clone());
+        digest.mark_read(sent.clone(), zeros);
     }
 
     /// Settles the post-copy choice: handed over now, for `why`.
@@ -190,7 +191,7 @@ impl SourceRun<'_> {
         bitmap: &DirtyBitmap,
         iteration: u32,
         mut watch: Option<HandoverWatch>,
-    ) -> Result<(IterationStats, Option<(DirtyBitmap, String)>), SourceError> {
+    ) -> Result<Sent, SourceError> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
@@ -198,7 +199,8 @@ impl SourceRun<'_> {
         let throttle = self.policy.auto_converge.fraction;
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
-        let mut fetcher = Fetcher::new(layout.batch_pages as usize, self.options.codecs.zero, self.options.zero_copy);
+        let mut fetcher =
+            Fetcher::new(layout.batch_pages as usize, bitmap.pages(), self.options.codecs.zero, self.options.zero_copy);
         fetcher.far = self.far_filter.clone();
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
@@ -260,6 +262,15 @@ impl SourceRun<'_> {
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
-        Ok((it, unsent))
+        Ok(Sent { it, unsent, zeros: fetcher.zeros })
     }
+}
+
+/// What one pass of [`SourceRun::send_dirty`] did.
+pub(super) struct Sent {
+    pub it: IterationStats,
+    /// Handed over to post-copy: the pages not sent, and why.
+    pub unsent: Option<(DirtyBitmap, String)>,
+    /// The pages it found all zeros (for the digest).
+    pub zeros: DirtyBitmap,
 }

@@ -52,8 +52,8 @@ impl SourceRun<'_> {
         vm.dirty_log(&mut fresh)?;
         pending.union_with(&fresh);
         let iteration = self.stats.iterations;
-        let (it, _) = self.send_dirty(&pending, iteration, None)?;
-        self.stats.per_iteration.push(it);
+        let sent = self.send_dirty(&pending, iteration, None)?;
+        self.stats.per_iteration.push(sent.it);
         laps(&mut breakdown.final_pages_ms);
 
         // Every channel ended the iteration: channel 0 carries the rest.
@@ -62,7 +62,7 @@ impl SourceRun<'_> {
         laps(&mut breakdown.state_ms);
         // Only the last pages (and what the hasher has not reached) need
         // hashing now.
-        self.refresh_digest(&pending);
+        self.refresh_digest(&pending, Some(sent.zeros));
         let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
         let region_count = hashes.len();
         let region = self.options.digest_region;

@@ -149,7 +149,7 @@ impl SourceRun<'_> {
         drop(realtime);
         // Every page that may differ from its last hash, hashed now that
         // the destination runs (this memory no longer changes).
-        self.refresh_digest(&rehash);
+        self.refresh_digest(&rehash, None);
 
         // Push the rest at the link's rate, paced only by the user's cap
         // (asked-for pages count against it too), with a short queue: each
