@@ -142,7 +142,11 @@ impl<'a> StreamReceiver<'a> {
         self.state = ReceiverState::Iterating;
         // Hashed in the background as pages land, so that after STATE only
         // the last pages need hashing before READY.
-        let digest = BackgroundDigest::start(session.mem.clone(), hello.digest_region, session.far.clone());
+        let digest = match &session.far {
+            Some(far) => BackgroundDigest::start(session.mem.clone(), hello.digest_region, Some(far.clone())),
+            // Memory just mapped: the digest follows what lands.
+            None => BackgroundDigest::start_fresh(session.mem.clone(), hello.digest_region),
+        };
         let result = self.receive_memory(&mut reader, writer, &session, &digest);
         // Post-copy starts from the hash of every page held now.
         let held = matches!(result, Ok(MemoryEnd::Postcopy(..))).then(|| digest.page_hashes());
