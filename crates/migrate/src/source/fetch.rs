@@ -29,6 +29,14 @@ pub struct Fetcher {
     /// The pages found all zeros (or never populated) after their dirty
     /// bit was cleared: the digest takes their hash without reading them.
     pub zeros: DirtyBitmap,
+    /// The pages the destination may hold other than zeros: those last
+    /// fetched with data. A zero page outside it is not fetched at all
+    /// (its zero record would change nothing there).
+    pub held_nonzero: DirtyBitmap,
+    /// The pages [`Fetcher::pick`] chose, and whether each has data.
+    picked: Vec<(u64, bool)>,
+    /// Scratch for far pages' comparisons.
+    scratch: Box<[u8; PAGE_SIZE]>,
 }
 
 /// Far memory as the fetcher sees it. A page of the map is not sent while
@@ -114,29 +122,27 @@ pub fn remove_unpopulated(memory: &GuestMemory, pages: &mut DirtyBitmap) {
 impl Fetcher {
     /// A fetcher for batches of up to `batch_pages` pages of a memory of
     /// `pages` pages.
-    pub fn new(batch_pages: usize, pages: u64, zero_records: bool, by_reference: bool) -> Fetcher {
+    pub fn new(batch_pages: usize, held_nonzero: DirtyBitmap, zero_records: bool, by_reference: bool) -> Fetcher {
         Fetcher {
             pagemap: memory::Pagemap::open().ok(),
             populated: vec![true; batch_pages],
             zero_records,
             by_reference,
             far: None,
-            zeros: DirtyBitmap::new(pages),
+            zeros: DirtyBitmap::new(held_nonzero.pages()),
+            held_nonzero,
+            picked: Vec::with_capacity(batch_pages),
+            scratch: Box::new([0; PAGE_SIZE]),
         }
     }
 
-    /// Fills `batch` (already cleared for its iteration and shard) with the
-    /// pages set in `chunk`, the run of the dirty bitmap from `first_page`:
-    /// clears their dirty bits in KVM, then reads each page that is neither
-    /// unpopulated nor all zeros (zeros are checked in place, not copied).
-    pub fn fill(
-        &mut self,
-        vm: &dyn SourceVm,
-        first_page: u64,
-        chunk: &[u64],
-        batch: &mut Batch,
-    ) -> Result<(), VmError> {
-        batch.by_reference = self.by_reference;
+    /// Picks the pages to send of those set in `chunk`, the run of the
+    /// dirty bitmap from `first_page`: clears their dirty bits in KVM, then
+    /// tells zeros (checked in place; pages never populated are not read)
+    /// from pages with data. Zeros the destination holds already are left
+    /// out. Returns how many it picked, for [`Fetcher::fill`].
+    pub fn pick(&mut self, vm: &dyn SourceVm, first_page: u64, chunk: &[u64]) -> Result<usize, VmError> {
+        self.picked.clear();
         vm.clear_dirty_log(first_page, chunk)?;
         // Pages the kernel never populated are zeros: don't read them
         // (reading would populate them, and cost a fault each).
@@ -150,20 +156,39 @@ impl Fetcher {
                 let offset = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let index = first_page + offset as u64;
-                if let Some(far) = self.far.as_deref().filter(|f| f.map.far.get(index)) {
-                    if far.still_far(vm.memory(), index, populated[offset], batch.next_slot())? {
+                let far = self.far.as_deref().filter(|f| f.map.far.get(index));
+                if let Some(far) = far {
+                    if far.still_far(vm.memory(), index, populated[offset], &mut self.scratch)? {
                         continue;
                     }
                     far.sent.set_bit(index as usize);
                 }
                 let backed = !self.zero_records || (populated[offset] && !memory::page_is_zero(vm.memory(), index));
-                if !backed {
+                if backed {
+                    self.held_nonzero.set(index);
+                } else {
                     self.zeros.set(index);
-                } else if !batch.by_reference {
-                    memory::read_page(vm.memory(), index, batch.next_slot())?;
+                    // (A far page's zero record overrides its far copy.)
+                    if far.is_none() && !self.held_nonzero.get(index) {
+                        continue;
+                    }
+                    self.held_nonzero.unset(index);
                 }
-                batch.push(index, backed);
+                self.picked.push((index, backed));
             }
+        }
+        Ok(self.picked.len())
+    }
+
+    /// Adds the pages just picked to `batch` (cleared for its iteration and
+    /// shard, with room for them), reading those with data.
+    pub fn fill(&mut self, vm: &dyn SourceVm, batch: &mut Batch) -> Result<(), VmError> {
+        batch.by_reference = self.by_reference;
+        for &(index, backed) in &self.picked {
+            if backed && !batch.by_reference {
+                memory::read_page(vm.memory(), index, batch.next_slot())?;
+            }
+            batch.push(index, backed);
         }
         Ok(())
     }

@@ -106,6 +106,7 @@ fn migrate_with(
         far,
         far_map: None,
         far_filter: None,
+        held_nonzero: DirtyBitmap::new(memory::page_count(vm.memory())),
     };
     progress.update(|p| {
         p.phase = SourceState::Setup;
@@ -238,6 +239,9 @@ struct SourceRun<'a> {
     far_map: Option<(FarMemoryFrame, Arc<FarPageHashes>)>,
     /// What the fetcher skips of it.
     far_filter: Option<Arc<FarFilter>>,
+    /// Pages the destination may hold other than zeros (sent with data
+    /// last): a zero page outside it needs no record at all.
+    held_nonzero: DirtyBitmap,
 }
 
 impl SourceRun<'_> {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use tsubame_vmm::DirtyBitmap;
 
-use super::fetch::Fetcher;
+use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
 use super::policy::{postcopy_choice, Decision, Handover};
 use super::send::{DRAINED, DRAIN_LIMIT};
@@ -199,8 +199,9 @@ impl SourceRun<'_> {
         let throttle = self.policy.auto_converge.fraction;
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
         let layout = self.engine().layout();
+        let held = std::mem::replace(&mut self.held_nonzero, DirtyBitmap::new(0));
         let mut fetcher =
-            Fetcher::new(layout.batch_pages as usize, bitmap.pages(), self.options.codecs.zero, self.options.zero_copy);
+            Fetcher::new(layout.batch_pages as usize, held, self.options.codecs.zero, self.options.zero_copy);
         fetcher.far = self.far_filter.clone();
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
@@ -211,6 +212,11 @@ impl SourceRun<'_> {
             vm.clear_dirty_log(0, &watch.probe(bitmap))?;
         }
         let mut unsent = None;
+        // A batch takes the next runs' pages while they fit and are the
+        // same shard's: runs of zeros the destination holds already add
+        // none, and a batch per run cost a hand-off to the encoder each
+        // (~0.2 s per 4 GiB of such runs with 2 busy cores).
+        let mut open: Option<Batch> = None;
         for (done, &c) in order.iter().enumerate() {
             let (first_page, chunk) = chunks[c];
             if chunk.iter().all(|&w| w == 0) {
@@ -237,18 +243,30 @@ impl SourceRun<'_> {
                 // lands, and delays the switch.
                 self.engine().wait_for_link(link, LINK_LEAD, LINK_WAIT);
             }
-            let mut batch = self.engine().take_batch()?;
             let fetch_start = Instant::now();
-            batch.clear(iteration, layout.shard(first_page), false);
-            fetcher.fill(vm, first_page, chunk, &mut batch)?;
+            let picked = fetcher.pick(vm, first_page, chunk)?;
+            if picked > 0 {
+                let shard = layout.shard(first_page);
+                let mut batch = match open.take() {
+                    Some(batch) if batch.shard == shard && batch.len() + picked <= layout.batch_pages as usize => batch,
+                    full => {
+                        if let Some(batch) = full {
+                            self.engine().submit(batch)?;
+                        }
+                        let mut batch = self.engine().take_batch()?;
+                        batch.clear(iteration, shard, false);
+                        batch
+                    }
+                };
+                fetcher.fill(vm, &mut batch)?;
+                open = Some(batch);
+            }
             if let Some(watch) = &mut watch {
                 watch.sent(first_page, chunk.len() as u64 * 64);
             }
-            let pages = batch.len() as u64;
             let engine = self.engine();
             engine.fetched(fetch_start.elapsed());
-            engine.submit(batch)?;
-            remaining = remaining.saturating_sub(pages);
+            remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum::<u64>());
             let wire_bytes = engine.bytes();
             self.progress.update(|p| {
                 p.remaining_pages = remaining;
@@ -256,6 +274,10 @@ impl SourceRun<'_> {
                 p.bytes_on_wire = wire_bytes;
             });
         }
+        if let Some(batch) = open {
+            self.engine().submit(batch)?;
+        }
+        self.held_nonzero = std::mem::replace(&mut fetcher.held_nonzero, DirtyBitmap::new(0));
         it.pages_sent = self.engine().end_iteration(iteration)?;
         it.bytes_on_wire = self.engine().bytes() - bytes_before;
         it.duration_ms = ms(started.elapsed());
