@@ -128,6 +128,7 @@ pub fn receive_into(
                 let resumed = Resumed { cpu_micros: (cpu * 1e6) as u64 };
                 let _ = protocol::write_frame(&mut *w, FrameKind::Resumed, &resumed.encode()).and_then(|_| w.flush());
             }
+            drop(outcome.leftovers);
             Ok(Received {
                 iterations: outcome.iterations,
                 bytes: bytes.load(Ordering::Relaxed),

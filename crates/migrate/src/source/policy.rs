@@ -36,12 +36,13 @@ const RATE_SAMPLE: u64 = 4 << 20;
 /// The stop's work besides sending pages and waiting for round trips, on
 /// both ends: pausing the vCPU and saving its state, the last look at the
 /// dirty log, both digests' last pages, restoring and starting the vCPU at
-/// the destination. Measured on this 2-core host for 4 GiB at 1 Gbit/s:
-/// 2.6-3.4 ms of VMM downtime with a few final pages, of which ~0.5 ms
-/// were pages and state on the wire and ~0.2 ms two round trips (idle 4
-/// GiB: 2.5 ms expected, 2.4-2.8 measured; pausing the vCPU sometimes
-/// takes 10-20 ms, which no estimate foresees).
-const STOP_WORK: Duration = Duration::from_micros(2500);
+/// the destination. Measured on this 2-core host for an idle 4 GiB VM at
+/// 1 Gbit/s (a few final pages): 1.2-1.9 ms of VMM downtime, of which
+/// ~0.2 ms were two round trips and ~0.1 ms pages on the wire (2.5 ms
+/// before the destination freed its digest and joined its decoders only
+/// after RESUMED). Pausing the vCPU sometimes takes 10-60 ms, which no
+/// estimate foresees.
+const STOP_WORK: Duration = Duration::from_micros(1300);
 
 /// What to do after an iteration.
 #[derive(Debug, Clone, Copy, PartialEq)]
