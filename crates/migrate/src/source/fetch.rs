@@ -120,8 +120,8 @@ pub fn remove_unpopulated(memory: &GuestMemory, pages: &mut DirtyBitmap) {
 }
 
 impl Fetcher {
-    /// A fetcher for batches of up to `batch_pages` pages of a memory of
-    /// `pages` pages.
+    /// A fetcher for batches of up to `batch_pages` pages; `held_nonzero`
+    /// as the last iteration's fetcher left it (none at first).
     pub fn new(batch_pages: usize, held_nonzero: DirtyBitmap, zero_records: bool, by_reference: bool) -> Fetcher {
         Fetcher {
             pagemap: memory::Pagemap::open().ok(),

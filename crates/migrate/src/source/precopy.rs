@@ -245,6 +245,7 @@ impl SourceRun<'_> {
             }
             let fetch_start = Instant::now();
             let picked = fetcher.pick(vm, first_page, chunk)?;
+            let mut fetching = fetch_start.elapsed();
             if picked > 0 {
                 let shard = layout.shard(first_page);
                 let mut batch = match open.take() {
@@ -258,14 +259,16 @@ impl SourceRun<'_> {
                         batch
                     }
                 };
+                let fill_start = Instant::now();
                 fetcher.fill(vm, &mut batch)?;
+                fetching += fill_start.elapsed();
                 open = Some(batch);
             }
             if let Some(watch) = &mut watch {
                 watch.sent(first_page, chunk.len() as u64 * 64);
             }
             let engine = self.engine();
-            engine.fetched(fetch_start.elapsed());
+            engine.fetched(fetching);
             remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum::<u64>());
             let wire_bytes = engine.bytes();
             self.progress.update(|p| {
@@ -290,6 +293,7 @@ impl SourceRun<'_> {
 
 /// What one pass of [`SourceRun::send_dirty`] did.
 pub(super) struct Sent {
+    /// The iteration's figures.
     pub it: IterationStats,
     /// Handed over to post-copy: the pages not sent, and why.
     pub unsent: Option<(DirtyBitmap, String)>,
