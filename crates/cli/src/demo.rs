@@ -84,14 +84,27 @@ fn ops_of(stats: &Value) -> u64 {
     stats["guest"]["ops"].as_u64().unwrap_or(0)
 }
 
+/// The demo's directory, removed however the demo ends (it was left
+/// behind by every demo that failed).
+struct ScratchDir(std::path::PathBuf);
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Runs `tsubame demo`.
 pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let options = args.flags.options()?;
     if !(args.warmup >= 0.0 && args.after > 0.0 && args.warmup.is_finite() && args.after.is_finite()) {
         return Err(usage_error("--warmup must be >= 0 and --after > 0 seconds"));
     }
-    let dir = std::env::temp_dir().join(format!("tsubame-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    // Dropped last, after the destination: it holds the sockets and the
+    // destination's log, whose last lines go into any error returned.
+    let scratch = ScratchDir(std::env::temp_dir().join(format!("tsubame-demo-{}", std::process::id())));
+    let dir = &scratch.0;
+    std::fs::create_dir_all(dir)?;
     let to: Address = match args.transport.as_str() {
         "unix" => Address::Unix(dir.join("migration.sock")),
         "tcp" => {
@@ -210,7 +223,6 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         }
     }
     write_json(&args.flags.json, &json_stats)?;
-    let _ = std::fs::remove_dir_all(&dir);
     if !continued {
         anyhow::bail!("the guest did not continue at the destination");
     }

@@ -330,6 +330,16 @@ fn memory_size_mismatch_is_refused() {
 }
 
 #[test]
+fn a_failed_demo_leaves_no_scratch_directory() {
+    let child =
+        tsubame().args(["demo", "--transport", "smoke-signals"]).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let dir = std::env::temp_dir().join(format!("tsubame-demo-{}", child.id()));
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!dir.exists(), "{} left behind", dir.display());
+}
+
+#[test]
 fn migrate_bad_input_is_exit_2() {
     let dir = scratch("mig-usage");
     for args in [
