@@ -212,4 +212,5 @@ fn a_unix_socket_export_opens_from_its_uri() {
     assert_eq!(back, data, "a second connection sees the first's writes");
     let _ = child.kill();
     let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
 }

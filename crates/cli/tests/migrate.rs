@@ -16,9 +16,10 @@ use tsubame_migrate::protocol::{FrameKind, PREAMBLE_LEN};
 
 /// A source VM (`run --control`) and a destination (`receive --control`).
 struct Pair {
-    dir: PathBuf,
     source: Proc,
     dest: Proc,
+    /// Last: removed after both processes stopped.
+    dir: common::Scratch,
 }
 
 impl Pair {

@@ -27,6 +27,8 @@ struct Pair {
     incoming: std::path::PathBuf,
     dest_log: std::path::PathBuf,
     source_log: std::path::PathBuf,
+    /// Last: removed after both processes stopped.
+    _dir: common::Scratch,
 }
 
 impl Pair {
@@ -41,7 +43,7 @@ impl Pair {
         wait_for_socket(&source_sock);
         wait_for_socket(&dest_sock);
         std::thread::sleep(Duration::from_millis(300));
-        Pair { source, dest, source_sock, dest_sock, incoming, dest_log, source_log }
+        Pair { source, dest, source_sock, dest_sock, incoming, dest_log, source_log, _dir: dir }
     }
 
     /// Starts post-copy at once at `rate` bytes/s (slow: the phase lasts).

@@ -127,6 +127,15 @@ struct Proxy {
     down: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// The listening thread runs on for good: the socket file goes with the proxy.
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Address::Unix(path) = &self.addr {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 impl Proxy {
     fn start(to: std::path::PathBuf, name: &str) -> Proxy {
         use std::os::unix::net::{UnixListener, UnixStream};
@@ -198,7 +207,7 @@ impl Behind {
     fn start(name: &str, watch: Duration) -> Behind {
         let path = std::env::temp_dir().join(format!("tsubame-postcopy-cut-{}-{name}", std::process::id()));
         let listener = Listener::bind(&Address::Unix(path.clone())).unwrap();
-        let proxy = std::sync::Arc::new(Proxy::start(path, name));
+        let proxy = std::sync::Arc::new(Proxy::start(path.clone(), name));
         let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let runs = running.clone();
         let dest = std::thread::spawn(move || {
@@ -213,6 +222,9 @@ impl Behind {
             // After a failure the guest may run on in pages it holds; it
             // never sees a wrong one (ops_until fails on a guest error).
             let after = ops_until(&console, watch);
+            // The phase is over: no reconnect comes (a thread that waited
+            // for one may still hold the listener, and so its file).
+            let _ = std::fs::remove_file(&path);
             (outcome, after, incoming)
         });
         Behind { proxy, running, dest }

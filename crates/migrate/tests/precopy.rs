@@ -461,6 +461,8 @@ fn channel_barrier_holds_when_channels_lag() {
         assert!(stats.digest_verified);
         assert_eq!(stats.regions_repaired, 0, "seed {seed}: a channel's pages were applied after the digest");
         drop(incoming);
+        // The proxy's thread keeps its listener (and so its file) for good.
+        let _ = std::fs::remove_file(base.with_extension("proxy"));
     }
 }
 

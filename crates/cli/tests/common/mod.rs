@@ -14,12 +14,37 @@ pub fn kvm_or_skip() -> bool {
     tsubame_vmm::kvm::kvm_tests_enabled()
 }
 
-/// A fresh scratch directory under the system temp dir.
-pub fn scratch(name: &str) -> PathBuf {
+/// A fresh scratch directory under the system temp dir, removed when the
+/// test is done with it (kept when the test fails, to look at).
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("tsubame-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// See [`scratch`].
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// Parses the ops counters out of guest output.
