@@ -101,6 +101,7 @@ impl IncrementalDigest {
     /// Takes the zero page's hash for the pages set in `zeros`, pages read
     /// as all zeros after their dirty bit was cleared: a write since then
     /// marks them again, and hashing them would read them a second time.
+    /// (One marked before and not hashed yet is hashed no more.)
     pub fn known_zero(&mut self, zeros: &DirtyBitmap) {
         let per_region = self.pages_per_region();
         let zero = zero_page_hash();
@@ -298,7 +299,7 @@ pub struct BackgroundDigest {
 }
 
 enum Request {
-    /// Pages to hash again, and those of them known to be zeros.
+    /// Pages to hash again, and pages known to be zeros.
     Mark(DirtyBitmap, Option<DirtyBitmap>),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
     PageHashes(crossbeam_channel::Sender<Vec<u64>>),
@@ -379,8 +380,12 @@ impl BackgroundDigest {
     }
 
     /// Hands over pages read for sending, of which those in `zeros` were
-    /// all zeros: those take the zero page's hash without being read again.
-    pub fn mark_read(&self, pages: DirtyBitmap, zeros: Option<DirtyBitmap>) {
+    /// all zeros: those take the zero page's hash without being read again
+    /// (nor counted in the backlog).
+    pub fn mark_read(&self, mut pages: DirtyBitmap, zeros: Option<DirtyBitmap>) {
+        if let Some(zeros) = &zeros {
+            pages.subtract(zeros);
+        }
         self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages, zeros));
     }
