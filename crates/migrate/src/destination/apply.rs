@@ -110,6 +110,9 @@ fn apply_pages(
                 }
                 memory::write(mem, addr, &page)
             }
+            Encoding::RawRun => {
+                return Err(WireError::bad("pages.encoding", "a raw run outside post-copy".to_string()));
+            }
         };
         result.map_err(|e| WireError::BadField { field: "pages.page_index", detail: e.to_string() })
     })?;

@@ -15,7 +15,7 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// pages while the guest still runs at the source; and
 /// POSTCOPY_PAGES_COMPRESSED; 7 DIGEST before the pause and
 /// DIGEST_UPDATE after it).
-pub const VERSION: u32 = 7;
+pub const VERSION: u32 = 8;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -64,8 +64,8 @@ pub enum FrameKind {
     PostcopyRunning = 16,
     /// Pages a guest faulted on at the destination: send these first.
     PageRequest = 17,
-    /// Post-copy pages: a PAGES payload of raw and zero records only, to
-    /// be installed by whichever channel carries it.
+    /// Post-copy pages: a PAGES payload of raw, raw-run and zero records
+    /// only, to be installed by whichever channel carries it.
     PostcopyPages = 18,
     /// The destination holds every page; how the digest compared.
     PostcopyDone = 19,

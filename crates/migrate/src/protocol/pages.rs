@@ -21,6 +21,8 @@ pub const RECORD_HEADER: usize = 13;
 pub const MAX_RECORDS: u32 = 4096;
 /// Page records a source packs into one PAGES frame.
 pub const RECORDS_PER_FRAME: usize = 256;
+/// Most pages in one raw run record (a source's whole frame).
+pub const MAX_RUN_PAGES: usize = RECORDS_PER_FRAME;
 /// Largest PAGES payload inside a PAGES_COMPRESSED frame: a source packs
 /// at most 256 records (~1 MiB) per frame, so 2 MiB bounds what each
 /// decoder holds for unpacking.
@@ -42,6 +44,10 @@ pub enum Encoding {
     Xbzrle = 4,
     /// A dedup record against the chunk cache.
     Dedup = 5,
+    /// 2 to [`MAX_RUN_PAGES`] consecutive pages raw, from the record's
+    /// page on: post-copy's push only (a record header per 4 KiB page
+    /// was 0.3 % of its bytes).
+    RawRun = 6,
 }
 
 impl Encoding {
@@ -72,6 +78,7 @@ impl Encoding {
             3 => Some(Encoding::Rle),
             4 => Some(Encoding::Xbzrle),
             5 => Some(Encoding::Dedup),
+            6 => Some(Encoding::RawRun),
             _ => None,
         }
     }
@@ -187,6 +194,17 @@ pub fn for_each_record<'a>(
         let len = f.u32()? as usize;
         let expected = match encoding {
             Encoding::Raw => PAGE_SIZE,
+            Encoding::RawRun => {
+                let run = len / PAGE_SIZE;
+                let fits = len.is_multiple_of(PAGE_SIZE) && (2..=MAX_RUN_PAGES).contains(&run);
+                if !fits || page_index + run as u64 > page_count {
+                    return Err(WireError::bad(
+                        "pages.length",
+                        format!("{len} for a raw run from page {page_index} (2 to {MAX_RUN_PAGES} whole pages, inside memory)"),
+                    ));
+                }
+                len
+            }
             Encoding::Zero => 0,
             // Codec records: at most a page and the dedup header; the
             // codec's decoder checks the contents.
@@ -343,6 +361,30 @@ mod tests {
         assert!(for_each_record(&bytes, 10, PAGE_SIZE, |_| Ok(())).unwrap_err().to_string().contains("pages.encoding"));
         bytes[8..12].copy_from_slice(&5u32.to_le_bytes()); // claims 5 records
         assert!(for_each_record(&bytes, 10, PAGE_SIZE, |_| Ok(())).is_err());
+    }
+
+    #[test]
+    fn raw_runs_are_checked() {
+        let mut b = PagesBuilder::new(4);
+        let pages = [9u8; 3 * PAGE_SIZE];
+        b.reset(u32::MAX, 0);
+        b.push(7, Encoding::RawRun, &pages);
+        let mut seen = Vec::new();
+        for_each_record(b.payload(), 10, PAGE_SIZE, |r| {
+            seen.push((r.page_index, r.encoding, r.data.len()));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![(7, Encoding::RawRun, 3 * PAGE_SIZE)]);
+        // Past the last page, a single page, a part of a page, too long.
+        let too_long = vec![0u8; (MAX_RUN_PAGES + 1) * PAGE_SIZE];
+        for (first, data) in [(8, &pages[..]), (1, &pages[..PAGE_SIZE]), (1, &pages[..PAGE_SIZE + 8]), (0, &too_long)] {
+            b.reset(u32::MAX, 0);
+            b.push(first, Encoding::RawRun, data);
+            let err = for_each_record(b.payload(), 1000, PAGE_SIZE, |_| Ok(()));
+            let err = if first == 8 { for_each_record(b.payload(), 10, PAGE_SIZE, |_| Ok(())) } else { err };
+            assert!(err.unwrap_err().to_string().contains("pages.length"), "run of {} bytes from {first}", data.len());
+        }
     }
 
     #[test]

@@ -140,49 +140,58 @@ impl PostcopyShared {
         self.install_frame(&unpacker.buf)
     }
 
-    /// Installs the pages of a POSTCOPY_PAGES frame (raw and zero records).
-    /// Pages may come twice (asked for and pushed); once every page is
-    /// here the rest are duplicates and are dropped.
+    /// Installs the pages of a POSTCOPY_PAGES frame (raw, raw-run and
+    /// zero records). Pages may come twice (asked for and pushed); once
+    /// every page is here the rest are duplicates and are dropped.
     pub(crate) fn install_frame(&self, payload: &[u8]) -> Result<(), ReceiveError> {
         for_each_record(payload, self.pages, PAGE_SIZE, |record| {
-            if self.remaining.load(Ordering::Acquire) == 0 {
-                return Ok(());
-            }
-            let page = record.page_index;
-            let (installed, hash) = match record.encoding {
-                Encoding::Raw => {
-                    let data: &[u8; PAGE_SIZE] = record.data.try_into().expect("checked length");
-                    (self.faults.install(page, data), page_hash(data))
-                }
-                Encoding::Zero => (self.faults.install_zero(page), zero_page_hash()),
-                other => {
-                    return Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw or zero only)")))
-                }
-            };
-            let installed = match installed {
-                Ok(installed) => installed,
-                // The last page came meanwhile and memory was unregistered.
-                Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
-                Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
-            };
-            if installed == Installed::Now && self.missing.is_bit_set(page as usize) {
-                self.missing.reset_bit(page as usize);
-                self.page_hashes[page as usize].store(hash, Ordering::Relaxed);
-                self.requested.lock().unwrap().remove(&page);
-                if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    // Every page is here: faults are the kernel's again (a
-                    // page never populated reads as zeros), and huge pages
-                    // may back memory from now on. Not with far memory,
-                    // which takes the registration over.
-                    if self.far.is_none() {
-                        let _ = self.faults.unregister();
-                        memory::advise_hugepages(&self.mem);
+            let first = record.page_index;
+            match record.encoding {
+                Encoding::Raw | Encoding::RawRun => {
+                    for (page, data) in (first..).zip(record.data.chunks_exact(PAGE_SIZE)) {
+                        self.install_page(page, Some(data.try_into().expect("whole pages")))?;
                     }
-                    self.settle();
+                    Ok(())
                 }
+                Encoding::Zero => self.install_page(first, None),
+                other => Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw or zero only)"))),
             }
-            Ok(())
         })?;
+        Ok(())
+    }
+
+    /// Installs one page (`None`: zeros) unless it is here already.
+    fn install_page(&self, page: u64, data: Option<&[u8; PAGE_SIZE]>) -> Result<(), WireError> {
+        if self.remaining.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let installed = match data {
+            Some(data) => self.faults.install(page, data),
+            None => self.faults.install_zero(page),
+        };
+        let installed = match installed {
+            Ok(installed) => installed,
+            // The last page came meanwhile and memory was unregistered.
+            Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
+            Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
+        };
+        if installed == Installed::Now && self.missing.is_bit_set(page as usize) {
+            self.missing.reset_bit(page as usize);
+            let hash = data.map_or_else(zero_page_hash, page_hash);
+            self.page_hashes[page as usize].store(hash, Ordering::Relaxed);
+            self.requested.lock().unwrap().remove(&page);
+            if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                // Every page is here: faults are the kernel's again (a
+                // page never populated reads as zeros), and huge pages
+                // may back memory from now on. Not with far memory,
+                // which takes the registration over.
+                if self.far.is_none() {
+                    let _ = self.faults.unregister();
+                    memory::advise_hugepages(&self.mem);
+                }
+                self.settle();
+            }
+        }
         Ok(())
     }
 

@@ -70,11 +70,12 @@ impl Outstanding {
     }
 }
 
-/// Builds POSTCOPY_PAGES frames of raw and zero records from a paused VM,
-/// compressed (POSTCOPY_PAGES_COMPRESSED) while that pays.
+/// Builds POSTCOPY_PAGES frames of raw, raw-run and zero records from a
+/// paused VM, compressed (POSTCOPY_PAGES_COMPRESSED) while that pays.
 pub(super) struct PageFrames {
     builder: PagesBuilder,
-    page: [u8; PAGE_SIZE],
+    /// Consecutive pages read for one record.
+    run: Vec<u8>,
     out: Vec<u8>,
     pub(super) zero: u64,
     pub(super) packer: Option<Packer>,
@@ -137,7 +138,7 @@ impl PageFrames {
     pub(super) fn new() -> PageFrames {
         PageFrames {
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
-            page: [0; PAGE_SIZE],
+            run: Vec::with_capacity(RECORDS_PER_FRAME * PAGE_SIZE),
             out: Vec::new(),
             zero: 0,
             packer: None,
@@ -153,20 +154,37 @@ impl PageFrames {
         &self.out
     }
 
-    /// The frames carrying `pages`, read from a paused VM's memory.
+    /// The frames carrying `pages`, read from a paused VM's memory:
+    /// consecutive pages that are not all zeros go as one raw run.
     pub(super) fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
         self.out.clear();
         for chunk in pages.chunks(RECORDS_PER_FRAME) {
             self.builder.reset(u32::MAX, 0);
+            // The run being read: its first page and its bytes so far.
+            let mut first = 0;
+            self.run.clear();
             for &index in chunk {
-                memory::read_page(memory, index, &mut self.page).map_err(tsubame_vmm::VmError::from)?;
-                if is_zero(&self.page) {
+                let at = self.run.len();
+                self.run.resize(at + PAGE_SIZE, 0);
+                let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..]).try_into().expect("one page");
+                memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
+                let zero = is_zero(page);
+                let follows = at > 0 && index == first + (at / PAGE_SIZE) as u64;
+                if zero || !follows {
+                    // The run so far ends before this page, which starts
+                    // the next one.
+                    push_run(&mut self.builder, first, &self.run[..at]);
+                    self.run.copy_within(at.., 0);
+                    self.run.truncate(PAGE_SIZE);
+                    first = index;
+                }
+                if zero {
+                    self.run.clear();
                     self.builder.push(index, Encoding::Zero, &[]);
                     self.zero += 1;
-                } else {
-                    self.builder.push(index, Encoding::Raw, &self.page);
                 }
             }
+            push_run(&mut self.builder, first, &self.run);
             match &mut self.packer {
                 Some(packer) => packer.frame(self.builder.payload(), &mut self.out),
                 None => protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload())
@@ -174,6 +192,16 @@ impl PageFrames {
             }
         }
         Ok(&self.out)
+    }
+}
+
+/// Appends `run` (whole pages from `first` on) as a raw or raw-run
+/// record; nothing when it is empty.
+fn push_run(builder: &mut PagesBuilder, first: u64, run: &[u8]) {
+    match run.len() / PAGE_SIZE {
+        0 => {}
+        1 => builder.push(first, Encoding::Raw, run),
+        _ => builder.push(first, Encoding::RawRun, run),
     }
 }
 
@@ -338,4 +366,36 @@ pub(super) fn spawn_reader(
             }
         })
         .expect("spawn post-copy reader")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::pages::for_each_record;
+
+    #[test]
+    fn consecutive_pages_go_as_one_raw_run() {
+        let memory = memory::create(8 << 20, false).unwrap();
+        for page in [1u64, 2, 3, 5, 7, 8] {
+            memory::write(&memory, page * PAGE_SIZE as u64 + 100, &[page as u8]).unwrap();
+        }
+        let mut frames = PageFrames::new();
+        let out = frames.frames(&memory, &[1, 2, 3, 4, 5, 7, 8]).unwrap().to_vec();
+        let mut payload = Vec::new();
+        assert_eq!(protocol::read_frame(&mut &out[..], &mut payload).unwrap(), FrameKind::PostcopyPages);
+        let mut records = Vec::new();
+        for_each_record(&payload, 2048, PAGE_SIZE, |r| {
+            // Each page of a run is its own, in order.
+            for (page, data) in (r.page_index..).zip(r.data.chunks_exact(PAGE_SIZE)) {
+                assert_eq!(data[100], page as u8);
+            }
+            records.push((r.page_index, r.encoding, r.data.len() / PAGE_SIZE));
+            Ok(())
+        })
+        .unwrap();
+        let expected =
+            [(1, Encoding::RawRun, 3), (4, Encoding::Zero, 0), (5, Encoding::Raw, 1), (7, Encoding::RawRun, 2)];
+        assert_eq!(records, expected);
+        assert_eq!(frames.zero, 1);
+    }
 }
