@@ -135,6 +135,7 @@ fn record_seed() {
     assert_eq!(stats.status, Status::Completed, "{:?}", stats.error);
     assert!(dest.join().unwrap().unwrap());
     let recorded = proxy.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/receiver/migration-8M-idle-codecs");
     std::fs::write(path, &recorded).unwrap();
     println!("recorded {} bytes into {path}", recorded.len());
