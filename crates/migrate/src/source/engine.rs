@@ -95,6 +95,8 @@ enum Mode {
     Threads {
         to_encoders: Vec<Sender<ToEncoder>>,
         free_batches: Receiver<Batch>,
+        /// Each sender's queue, looked at (never read) for what waits in it.
+        send_queues: Vec<Receiver<SendItem>>,
         done: Receiver<Result<u64, PipelineError>>,
         encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
         senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
@@ -148,6 +150,7 @@ impl Engine {
             let mut to_senders = Vec::new();
             let mut senders = Vec::new();
             let mut out_pools = Vec::new();
+            let mut send_queues = Vec::new();
             for channel in 0..layout.channels {
                 let carried = layout.shards_of(channel).count();
                 let (tx, rx) = bounded::<SendItem>(buffers * carried + carried);
@@ -157,6 +160,7 @@ impl Engine {
                 }
                 // Hold one zero-copy buffer in the kernel at most, so the
                 // encoders never run out while we wait for completions.
+                send_queues.push(rx.clone());
                 let send = SendLoop { stage: sender(channel, 1), input: rx, pool: pool_tx, done: done_tx.clone() };
                 let live = live.clone();
                 senders.push(
@@ -190,7 +194,14 @@ impl Engine {
                 );
                 to_encoders.push(tx);
             }
-            let mode = Mode::Threads { to_encoders, free_batches: free_rx, done: done_rx, encoders: handles, senders };
+            let mode = Mode::Threads {
+                to_encoders,
+                free_batches: free_rx,
+                send_queues,
+                done: done_rx,
+                encoders: handles,
+                senders,
+            };
             ((layout.shards as u32, layout.channels as u32), mode)
         };
         Ok(Engine {
@@ -335,26 +346,40 @@ impl Engine {
         self.writers[0].try_lock().ok().and_then(|w| super::send::min_rtt(&w))
     }
 
-    /// Waits (at most `limit`) while some channel's sender is writing or
-    /// its socket holds more than what a link of `rate` bytes per second
-    /// carries in its round trip plus `lead`. Where the link is the
+    /// Waits (at most `limit`) while an encoded batch waits for its
+    /// sender, or some channel's sender is writing or its socket holds more
+    /// than what a link of `rate` bytes per second carries in its round
+    /// trip plus `lead`. Where the link is the
     /// bottleneck a batch fetched then goes out within about that time,
     /// not behind the whole pipeline's depth (at 1 Gbit/s its queues and
     /// buffers held ~300 ms of pages, stale by the time they arrived);
     /// where fetching or encoding is, the senders are idle and nothing
-    /// waits.
-    pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) {
+    /// waits. False when `limit` passed first.
+    pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         let rtt = self.round_trip().unwrap_or_default();
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let busy = || {
-            self.writers.iter().any(|w| {
-                // A sender writing holds the lock: its socket is full.
-                w.try_lock().map_or(true, |w| super::send::unsent_bytes(&w).is_some_and(|n| n > window))
-            })
+            self.queued_for_senders() > 0
+                || self.writers.iter().any(|w| {
+                    // A sender writing holds the lock: its socket is full.
+                    w.try_lock().map_or(true, |w| super::send::unsent_bytes(&w).is_some_and(|n| n > window))
+                })
         };
-        while Instant::now() < deadline && busy() {
+        while busy() {
+            if Instant::now() >= deadline {
+                return false;
+            }
             std::thread::sleep(Duration::from_micros(200));
+        }
+        true
+    }
+
+    /// Encoded batches waiting for their sender (not those it writes).
+    fn queued_for_senders(&self) -> usize {
+        match &self.mode {
+            Mode::InTurn { .. } => 0,
+            Mode::Threads { send_queues, .. } => send_queues.iter().map(Receiver::len).sum(),
         }
     }
 
