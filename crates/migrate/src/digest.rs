@@ -103,14 +103,32 @@ impl IncrementalDigest {
     /// marks them again, and hashing them would read them a second time.
     /// (One marked before and not hashed yet is hashed no more.)
     pub fn known_zero(&mut self, zeros: &DirtyBitmap) {
-        let per_region = self.pages_per_region();
         let zero = zero_page_hash();
-        for page in zeros.iter() {
+        self.known(zeros.iter().map(|page| (page, zero)));
+    }
+
+    /// Takes each `(page, hash)` as the page's hash: from a reader that
+    /// read the page after its dirty bit was cleared, as in
+    /// [`IncrementalDigest::known_zero`].
+    pub fn known(&mut self, hashes: impl Iterator<Item = (u64, u64)>) {
+        let per_region = self.pages_per_region();
+        for (page, hash) in hashes {
             let i = page as usize;
             if let Some(mark) = self.stale_pages.get_mut(i) {
                 self.stale_count -= usize::from(std::mem::take(mark));
-                self.pages[i] = zero;
+                self.pages[i] = hash;
                 self.stale_region(i / per_region);
+            }
+        }
+    }
+
+    /// Leaves the pages set in `pages` unhashed for now: their hashes
+    /// come later ([`IncrementalDigest::known`]), or they are marked again.
+    /// Until then their regions' hashes are not valid.
+    pub fn unmark(&mut self, pages: &DirtyBitmap) {
+        for page in pages.iter() {
+            if let Some(mark) = self.stale_pages.get_mut(page as usize) {
+                self.stale_count -= usize::from(std::mem::take(mark));
             }
         }
     }
@@ -303,6 +321,14 @@ enum Request {
     Mark(DirtyBitmap, Option<DirtyBitmap>),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
     PageHashes(crossbeam_channel::Sender<Vec<u64>>),
+    /// Pages whose hashes a reader will hand over (Known): hashed here
+    /// only when someone asks for the digest before they came.
+    Await(DirtyBitmap),
+    /// Pages' hashes, `(page, hash)`, from a reader of paused memory.
+    Known(Vec<(u64, u64)>),
+    /// The digest is dropped: the thread ends (a [`DigestFeed`] may still
+    /// hold the channel open).
+    Stop,
 }
 
 impl BackgroundDigest {
@@ -337,6 +363,7 @@ impl BackgroundDigest {
                 };
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
                 let mut taken = stale;
+                let mut awaited: Option<DirtyBitmap> = None;
                 while let Ok(first) = rx.recv() {
                     // Take every request queued so far, then hash once.
                     let mut waiting = Vec::new();
@@ -349,7 +376,29 @@ impl BackgroundDigest {
                                     digest.known_zero(&zeros);
                                 }
                             }
+                            Request::Await(pages) => {
+                                digest.unmark(&pages);
+                                match &mut awaited {
+                                    Some(awaited) => awaited.union_with(&pages),
+                                    None => awaited = Some(pages),
+                                }
+                            }
+                            Request::Known(hashes) => {
+                                if let Some(awaited) = &mut awaited {
+                                    hashes.iter().for_each(|&(page, _)| awaited.unset(page));
+                                }
+                                digest.known(hashes.into_iter());
+                            }
                             other => waiting.push(other),
+                        }
+                    }
+                    if waiting.iter().any(|r| matches!(r, Request::Stop)) {
+                        break;
+                    }
+                    // Whoever waits gets every page, those still awaited too.
+                    if !waiting.is_empty() {
+                        if let Some(awaited) = awaited.take() {
+                            digest.mark(&awaited);
                         }
                     }
                     // One thread while the migration runs beside it; every
@@ -360,7 +409,7 @@ impl BackgroundDigest {
                         match request {
                             Request::Hashes(reply) => drop(reply.send(digest.hashes().to_vec())),
                             Request::PageHashes(reply) => drop(reply.send(digest.pages.clone())),
-                            Request::Mark(..) => {}
+                            Request::Mark(..) | Request::Await(_) | Request::Known(_) | Request::Stop => {}
                         }
                     }
                 }
@@ -390,6 +439,19 @@ impl BackgroundDigest {
         let _ = self.requests.send(Request::Mark(pages, zeros));
     }
 
+    /// Pages whose hashes a reader of paused memory hands over through
+    /// [`BackgroundDigest::feed`] (post-copy's senders, which read each
+    /// page once anyway): not read here, unless the digest is asked for
+    /// before a page's hash came.
+    pub fn await_hashes(&self, pages: DirtyBitmap) {
+        let _ = self.requests.send(Request::Await(pages));
+    }
+
+    /// A handle that hands pages' hashes over from another thread.
+    pub fn feed(&self) -> DigestFeed {
+        DigestFeed { requests: self.requests.clone() }
+    }
+
     /// Pages handed over and not hashed yet (at most).
     pub fn backlog_pages(&self) -> u64 {
         self.backlog.load(std::sync::atomic::Ordering::Relaxed)
@@ -417,11 +479,26 @@ impl BackgroundDigest {
     }
 }
 
+/// Hands pages' hashes to a [`BackgroundDigest`] (see
+/// [`BackgroundDigest::await_hashes`]).
+#[derive(Clone)]
+pub struct DigestFeed {
+    requests: crossbeam_channel::Sender<Request>,
+}
+
+impl DigestFeed {
+    /// Takes each `(page, hash)` as the page's hash.
+    pub fn known(&self, hashes: Vec<(u64, u64)>) {
+        if !hashes.is_empty() {
+            let _ = self.requests.send(Request::Known(hashes));
+        }
+    }
+}
+
 impl Drop for BackgroundDigest {
     fn drop(&mut self) {
-        // A closed channel ends the thread after the request in hand.
-        let (closed, _) = crossbeam_channel::unbounded();
-        self.requests = closed;
+        // The thread ends after the requests in hand.
+        let _ = self.requests.send(Request::Stop);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -469,6 +546,32 @@ mod tests {
         assert!(digest.backlog_pages() <= 3);
         assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
         assert_eq!(digest.backlog_pages(), 0);
+    }
+
+    #[test]
+    fn awaited_hashes_come_from_the_reader_or_are_hashed_when_asked_for() {
+        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
+        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
+        // Pages 5, 6 and 900 change; the reader hands over 5's and 900's
+        // hashes (900's stale: what it read before a later write would
+        // be marked again), 6's never comes.
+        let mut changed = DirtyBitmap::new(4096);
+        for page in [5u64, 6, 900] {
+            memory::write(&mem, page * 4096 + 9, &[page as u8]).unwrap();
+            changed.set(page);
+        }
+        digest.await_hashes(changed.clone());
+        let mut page = [0u8; PAGE_SIZE];
+        memory::read_page(&mem, 5, &mut page).unwrap();
+        let feed = digest.feed();
+        feed.known(vec![(5, page_hash(&page)), (900, 12345)]);
+        let mut again = DirtyBitmap::new(4096);
+        again.set(900);
+        digest.mark(again);
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
+        drop(digest); // ends its thread although the feed lives on
+        feed.known(vec![(1, 1)]);
     }
 
     #[test]

@@ -66,7 +66,13 @@ impl SourceRun<'_> {
             let Sent { it, unsent, zeros } = self.send_dirty(&bitmap, iteration, watch)?;
             if let Some((unsent, why)) = unsent {
                 self.chose_postcopy(why);
-                self.refresh_digest(&bitmap, Some(zeros));
+                // Post-copy's senders hash the pages left (the digest would
+                // read them a second time: 4 GiB of fill-random, beside the
+                // switch); the digest hashes those sent.
+                self.digest().await_hashes(unsent.clone());
+                let mut sent = bitmap.clone();
+                sent.subtract(&unsent);
+                self.refresh_digest(&sent, Some(zeros));
                 self.stats.per_iteration.push(it);
                 return Ok(PrecopyEnd::Postcopy { missing: unsent, last_iteration: Some(iteration) });
             }
@@ -170,12 +176,16 @@ impl SourceRun<'_> {
     /// (all memory the first time) while the next iteration runs; those
     /// the fetch found all zeros (`zeros`, of the same send) it need not read.
     pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap, zeros: Option<DirtyBitmap>) {
+        self.digest().mark_read(sent.clone(), zeros);
+    }
+
+    /// The source's digest, started (every page to hash) the first time.
+    pub(super) fn digest(&mut self) -> &digest::BackgroundDigest {
         let vm = self.vm;
-        let digest = self.digest.get_or_insert_with(|| {
+        self.digest.get_or_insert_with(|| {
             let far = self.far_map.as_ref().map(|(_, far)| far.clone());
             digest::BackgroundDigest::start(vm.memory().clone(), self.options.digest_region, far)
-        });
-        digest.mark_read(sent.clone(), zeros);
+        })
     }
 
     /// Settles the post-copy choice: handed over now, for `why`.

@@ -12,6 +12,7 @@ use tsubame_codec::chooser::Payoff;
 use tsubame_codec::zero::is_zero;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
 
+use crate::digest::{page_hash, zero_page_hash, DigestFeed};
 use crate::protocol::pages::{CompressedHeader, Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
@@ -21,6 +22,10 @@ use crate::source::send::Writer;
 use crate::source::vm::SourceVm;
 use crate::source::SourceError;
 use crate::transport::{Pacer, Stream};
+
+/// Pages' hashes handed to the digest at a time. The request server's
+/// last few may never be handed over: the digest then reads those pages.
+pub(super) const HASHES_HANDED: usize = 4096;
 
 /// What the channel-0 reader hears from the destination.
 pub(super) enum Heard {
@@ -77,6 +82,9 @@ pub(super) struct PageFrames {
     /// Consecutive pages read for one record.
     run: Vec<u8>,
     out: Vec<u8>,
+    /// The digest's hash of each page read since last taken: memory is
+    /// paused, so the digest need not read the page again.
+    pub(super) hashes: Vec<(u64, u64)>,
     pub(super) zero: u64,
     pub(super) packer: Option<Packer>,
 }
@@ -140,8 +148,17 @@ impl PageFrames {
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
             run: Vec::with_capacity(RECORDS_PER_FRAME * PAGE_SIZE),
             out: Vec::new(),
+            hashes: Vec::new(),
             zero: 0,
             packer: None,
+        }
+    }
+
+    /// Hands the hashes of the pages read so far to the digest once there
+    /// are at least `at_least` (each hand-over wakes the digest's thread).
+    pub(super) fn hand_hashes(&mut self, digest: &DigestFeed, at_least: usize) {
+        if self.hashes.len() >= at_least.max(1) {
+            digest.known(std::mem::take(&mut self.hashes));
         }
     }
 
@@ -169,6 +186,7 @@ impl PageFrames {
                 let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..]).try_into().expect("one page");
                 memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
                 let zero = is_zero(page);
+                self.hashes.push((index, if zero { zero_page_hash() } else { page_hash(page) }));
                 let follows = at > 0 && index == first + (at / PAGE_SIZE) as u64;
                 if zero || !follows {
                     // The run so far ends before this page, which starts
@@ -224,17 +242,19 @@ pub(super) struct Link {
     pub(super) writers: Vec<Writer>,
     pub(super) heard: Receiver<Heard>,
     pub(super) reader: std::thread::JoinHandle<()>,
+    /// Where the senders hand the hashes of the pages they read, when the
+    /// digest awaits them.
+    pub(super) digest: Option<DigestFeed>,
 }
 
 impl Link {
     pub(super) fn start(
         vm: &dyn SourceVm,
-        writers: Vec<Writer>,
-        reader: BufReader<Stream>,
-        urgent: Option<Stream>,
+        (writers, reader, urgent): Connections,
         outstanding: &Arc<Mutex<Outstanding>>,
         counters: &Counters,
         pacer: Option<Arc<Pacer>>,
+        digest: Option<DigestFeed>,
     ) -> Link {
         let (heard_tx, heard) = unbounded();
         let (requests_tx, requests) = unbounded::<Vec<u64>>();
@@ -247,13 +267,14 @@ impl Link {
                 sent: counters.urgent_pages.clone(),
                 bytes: counters.urgent_bytes.clone(),
                 pacer,
+                digest: digest.clone(),
             };
             let memory = vm.memory().clone();
             let _ = std::thread::Builder::new()
                 .name("postcopy-urgent".into())
                 .spawn(move || server.run(memory, requests, heard_tx));
         }
-        Link { writers, heard, reader }
+        Link { writers, heard, reader, digest }
     }
 }
 
@@ -266,6 +287,8 @@ struct UrgentServer {
     bytes: Arc<AtomicU64>,
     /// The push's pacer: asked-for pages share the link with it.
     pacer: Option<Arc<Pacer>>,
+    /// Where the hashes of the pages it reads go.
+    digest: Option<DigestFeed>,
 }
 
 impl UrgentServer {
@@ -312,6 +335,9 @@ impl UrgentServer {
             }
             self.sent.fetch_add(pages.len() as u64, Ordering::Relaxed);
             self.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+            if let Some(digest) = &self.digest {
+                frames.hand_hashes(digest, HASHES_HANDED);
+            }
         }
     }
 }

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, PageFrames};
+use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, PageFrames, HASHES_HANDED};
 use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
 use super::{ms, SourceError, SourceRun};
+use crate::digest::DigestFeed;
 use crate::protocol::{
     self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, Resume, ResumeAck, SourceState, WireError,
 };
@@ -109,15 +110,23 @@ impl SourceRun<'_> {
             Some(PostcopyStats { started_at_ms: started_ms, pages_missing: pages, ..Default::default() });
         self.stats.stop_reason = crate::stats::StopReason::Postcopy;
 
-        let rehash = match last_iteration {
-            Some(_) => missing.clone(),
-            None => DirtyBitmap::full(missing.pages()),
+        // Every page that may differ from its last hash: those to send
+        // are hashed by the senders as they read them (this memory no
+        // longer changes), not read again by the digest. Without pre-copy
+        // the digest hashes every page itself, once the destination runs.
+        let feed = match (&self.digest, last_iteration) {
+            (Some(digest), Some(_)) => {
+                digest.await_hashes(missing.clone());
+                Some(digest.feed())
+            }
+            _ => None,
         };
         let counters = Counters::default();
         let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0 }));
         let reader = self.reader.take().expect("connected");
         let urgent = self.urgent.take();
-        let mut link = Link::start(vm, writers, reader, urgent, &outstanding, &counters, self.pacer.clone());
+        let connections = (writers, reader, urgent);
+        let mut link = Link::start(vm, connections, &outstanding, &counters, self.pacer.clone(), feed);
 
         // The destination runs the VM once it says so: the downtime ends.
         // (A cut link here is taken back like any other: a destination
@@ -138,7 +147,7 @@ impl SourceRun<'_> {
             }
             Ok(Heard::Lost(why)) => {
                 self.enter(SourceState::PostcopyPaused);
-                link = self.reconnect(&why, &outstanding, &counters)?;
+                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone())?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
                 self.stats.downtime_ms = ms(paused.elapsed());
@@ -147,9 +156,9 @@ impl SourceRun<'_> {
             Err(_) => return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into())),
         }
         drop(realtime);
-        // Every page that may differ from its last hash, hashed now that
-        // the destination runs (this memory no longer changes).
-        self.refresh_digest(&rehash, None);
+        if link.digest.is_none() {
+            self.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
+        }
 
         // Push the rest at the link's rate, paced only by the user's cap
         // (asked-for pages count against it too), with a short queue: each
@@ -181,7 +190,7 @@ impl SourceRun<'_> {
                 Err(Heard::Lost(why)) => {
                     // Both ends keep what they have and wait for the link.
                     self.enter(SourceState::PostcopyPaused);
-                    link = self.reconnect(&why, &outstanding, &counters)?;
+                    link = self.reconnect(&why, &outstanding, &counters, link.digest.clone())?;
                     resumes += 1;
                     self.enter(SourceState::Postcopy);
                 }
@@ -341,6 +350,12 @@ impl SourceRun<'_> {
                 writer.write_all(piece).and_then(|_| writer.flush()).map_err(lost)?;
             }
             next += 1;
+            if let Some(digest) = &link.digest {
+                frames.hand_hashes(digest, HASHES_HANDED);
+            }
+        }
+        if let Some(digest) = &link.digest {
+            frames.hand_hashes(digest, 1);
         }
         for w in &mut link.writers {
             w.flush().map_err(lost)?;
@@ -383,6 +398,7 @@ impl SourceRun<'_> {
         why: &str,
         outstanding: &Arc<Mutex<Outstanding>>,
         counters: &Counters,
+        digest: Option<DigestFeed>,
     ) -> Result<Link, SourceError> {
         let vm = self.vm;
         let deadline = Instant::now() + self.options.postcopy_timeout;
@@ -395,12 +411,13 @@ impl SourceRun<'_> {
                 _ => self.to.clone(),
             };
             match self.resume_link(&to, outstanding) {
-                Ok((writers, reader, urgent)) => {
+                Ok(connections) => {
                     self.to = to;
                     if let Some((_, reply)) = asked {
                         let _ = reply.send(Ok(()));
                     }
-                    return Ok(Link::start(vm, writers, reader, urgent, outstanding, counters, self.pacer.clone()));
+                    let pacer = self.pacer.clone();
+                    return Ok(Link::start(vm, connections, outstanding, counters, pacer, digest));
                 }
                 Err(e) => {
                     if let Some((_, reply)) = asked {
