@@ -58,6 +58,9 @@ pub(super) fn spawn_reader(mut reader: Box<dyn Read + Send>, link: u64, events: 
 /// Reads a request connection's POSTCOPY_PAGES until it closes.
 pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
     let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
+        // A vCPU waiting on a page waits for this thread: it runs first
+        // (it blocks on the socket between frames).
+        let _realtime = tsubame_vmm::cpu_time::realtime_thread();
         let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
         let mut frame = Vec::new();
         while !shared.stop.load(Ordering::Acquire) {

@@ -94,7 +94,12 @@ pub(super) fn run(
 ) -> PostcopyHandle {
     let faults = {
         let shared = shared.clone();
-        std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || shared.fault_loop())
+        std::thread::Builder::new().name("postcopy-faults".into()).spawn(move || {
+            // A vCPU waiting on a page waits for this thread: it runs
+            // first (it blocks on the fault descriptor between faults).
+            let _realtime = tsubame_vmm::cpu_time::realtime_thread();
+            shared.fault_loop()
+        })
     };
     if let Some(stream) = urgent {
         spawn_urgent(shared.clone(), stream);
