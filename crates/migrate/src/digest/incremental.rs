@@ -1,5 +1,4 @@
-//! Per-region hashes of guest memory: the source sends them at
-//! stop-and-copy, the destination compares before it says READY.
+//! The digest itself: each page's hash, and each region's over its pages'.
 
 use std::sync::Arc;
 
@@ -193,6 +192,11 @@ impl IncrementalDigest {
     pub fn hashes(&self) -> &[u64] {
         &self.regions
     }
+
+    /// Each page's hash (valid after a refresh, as the region hashes).
+    pub fn page_hashes(&self) -> &[u64] {
+        &self.pages
+    }
 }
 
 /// The hash of one page as the digest takes it: the low half of its
@@ -302,209 +306,6 @@ impl Slice<'_> {
     }
 }
 
-/// An [`IncrementalDigest`] in a thread of its own: pages handed to
-/// [`BackgroundDigest::mark`] are hashed while migration goes on, and
-/// [`BackgroundDigest::hashes`] waits only for what is still marked. Hand
-/// over a page only after it was written (destination) or read for
-/// sending (source): a later change marks it again.
-pub struct BackgroundDigest {
-    region: u32,
-    requests: crossbeam_channel::Sender<Request>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// Pages handed over and not hashed yet (an upper bound: a page marked
-    /// twice before its hash counts twice).
-    backlog: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-enum Request {
-    /// Pages to hash again, and pages known to be zeros.
-    Mark(DirtyBitmap, Option<DirtyBitmap>),
-    Hashes(crossbeam_channel::Sender<Vec<u64>>),
-    PageHashes(crossbeam_channel::Sender<Vec<u64>>),
-    /// Pages whose hashes a reader will hand over (Known): hashed here
-    /// only when someone asks for the digest before they came.
-    Await(DirtyBitmap),
-    /// Pages' hashes, `(page, hash)`, from a reader of paused memory.
-    Known(Vec<(u64, u64)>),
-    /// The digest is dropped: the thread ends (a [`DigestFeed`] may still
-    /// hold the channel open).
-    Stop,
-}
-
-impl BackgroundDigest {
-    /// Starts the thread; every page is marked at first. With `far`, a far
-    /// page not populated takes its far copy's hash.
-    pub fn start(mem: Arc<GuestMemory>, region: u32, far: Option<Arc<FarPageHashes>>) -> BackgroundDigest {
-        BackgroundDigest::spawn(mem, region, Some(far))
-    }
-
-    /// Starts the thread for memory just mapped, whose every write is
-    /// marked (a destination's): all zeros, nothing to hash until marked.
-    /// (Hashing 4 GiB of it page by page took 27-60 ms, longer than an
-    /// idle VM's whole pre-copy.)
-    pub fn start_fresh(mem: Arc<GuestMemory>, region: u32) -> BackgroundDigest {
-        BackgroundDigest::spawn(mem, region, None)
-    }
-
-    /// `from`: None for fresh memory, else the far map (if any) of memory
-    /// to hash as it is.
-    fn spawn(mem: Arc<GuestMemory>, region: u32, from: Option<Option<Arc<FarPageHashes>>>) -> BackgroundDigest {
-        use std::sync::atomic::Ordering;
-        let (requests, rx) = crossbeam_channel::unbounded::<Request>();
-        let stale = if from.is_some() { memory::page_count(&mem) } else { 0 };
-        let backlog = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(stale));
-        let thread_backlog = backlog.clone();
-        let thread = std::thread::Builder::new()
-            .name("digest".into())
-            .spawn(move || {
-                let mut digest = match from {
-                    Some(far) => IncrementalDigest::new(&mem, region, far),
-                    None => IncrementalDigest::zeros(&mem, region),
-                };
-                let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-                let mut taken = stale;
-                let mut awaited: Option<DirtyBitmap> = None;
-                while let Ok(first) = rx.recv() {
-                    // Take every request queued so far, then hash once.
-                    let mut waiting = Vec::new();
-                    for request in std::iter::once(first).chain(rx.try_iter()) {
-                        match request {
-                            Request::Mark(pages, zeros) => {
-                                taken += pages.count();
-                                digest.mark(&pages);
-                                if let Some(zeros) = zeros {
-                                    digest.known_zero(&zeros);
-                                }
-                            }
-                            Request::Await(pages) => {
-                                digest.unmark(&pages);
-                                match &mut awaited {
-                                    Some(awaited) => awaited.union_with(&pages),
-                                    None => awaited = Some(pages),
-                                }
-                            }
-                            Request::Known(hashes) => {
-                                if let Some(awaited) = &mut awaited {
-                                    hashes.iter().for_each(|&(page, _)| awaited.unset(page));
-                                }
-                                digest.known(hashes.into_iter());
-                            }
-                            other => waiting.push(other),
-                        }
-                    }
-                    if waiting.iter().any(|r| matches!(r, Request::Stop)) {
-                        break;
-                    }
-                    // Whoever waits gets every page, those still awaited too.
-                    if !waiting.is_empty() {
-                        if let Some(awaited) = awaited.take() {
-                            digest.mark(&awaited);
-                        }
-                    }
-                    // One thread while the migration runs beside it; every
-                    // core when someone waits (the guest is paused then).
-                    digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
-                    thread_backlog.fetch_sub(std::mem::take(&mut taken), Ordering::Relaxed);
-                    for request in waiting {
-                        match request {
-                            Request::Hashes(reply) => drop(reply.send(digest.hashes().to_vec())),
-                            Request::PageHashes(reply) => drop(reply.send(digest.pages.clone())),
-                            Request::Mark(..) | Request::Await(_) | Request::Known(_) | Request::Stop => {}
-                        }
-                    }
-                }
-            })
-            .expect("spawn digest thread");
-        BackgroundDigest { region, requests, thread: Some(thread), backlog }
-    }
-
-    /// The region size.
-    pub fn region(&self) -> u32 {
-        self.region
-    }
-
-    /// Hands over pages to hash.
-    pub fn mark(&self, pages: DirtyBitmap) {
-        self.mark_read(pages, None);
-    }
-
-    /// Hands over pages read for sending, of which those in `zeros` were
-    /// all zeros: those take the zero page's hash without being read again
-    /// (nor counted in the backlog).
-    pub fn mark_read(&self, mut pages: DirtyBitmap, zeros: Option<DirtyBitmap>) {
-        if let Some(zeros) = &zeros {
-            pages.subtract(zeros);
-        }
-        self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
-        let _ = self.requests.send(Request::Mark(pages, zeros));
-    }
-
-    /// Pages whose hashes a reader of paused memory hands over through
-    /// [`BackgroundDigest::feed`] (post-copy's senders, which read each
-    /// page once anyway): not read here, unless the digest is asked for
-    /// before a page's hash came.
-    pub fn await_hashes(&self, pages: DirtyBitmap) {
-        let _ = self.requests.send(Request::Await(pages));
-    }
-
-    /// A handle that hands pages' hashes over from another thread.
-    pub fn feed(&self) -> DigestFeed {
-        DigestFeed { requests: self.requests.clone() }
-    }
-
-    /// Pages handed over and not hashed yet (at most).
-    pub fn backlog_pages(&self) -> u64 {
-        self.backlog.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The digest with every marked page hashed.
-    pub fn hashes(&self) -> Vec<u64> {
-        self.request_hashes().recv().expect("digest thread answers")
-    }
-
-    /// Asks for the digest with every marked page hashed; it comes on the
-    /// returned channel (for a caller with something to do meanwhile).
-    pub fn request_hashes(&self) -> crossbeam_channel::Receiver<Vec<u64>> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.requests.send(Request::Hashes(tx)).expect("digest thread runs");
-        rx
-    }
-
-    /// Each page's hash, every marked page hashed: the start of a digest
-    /// kept page by page from then on ([`region_hashes`]).
-    pub fn page_hashes(&self) -> Vec<u64> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.requests.send(Request::PageHashes(tx)).expect("digest thread runs");
-        rx.recv().expect("digest thread answers")
-    }
-}
-
-/// Hands pages' hashes to a [`BackgroundDigest`] (see
-/// [`BackgroundDigest::await_hashes`]).
-#[derive(Clone)]
-pub struct DigestFeed {
-    requests: crossbeam_channel::Sender<Request>,
-}
-
-impl DigestFeed {
-    /// Takes each `(page, hash)` as the page's hash.
-    pub fn known(&self, hashes: Vec<(u64, u64)>) {
-        if !hashes.is_empty() {
-            let _ = self.requests.send(Request::Known(hashes));
-        }
-    }
-}
-
-impl Drop for BackgroundDigest {
-    fn drop(&mut self) {
-        // The thread ends after the requests in hand.
-        let _ = self.requests.send(Request::Stop);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,56 +323,6 @@ mod tests {
         let short = Digest { region: 1 << 20, hashes: before[..3].to_vec() }.encode();
         assert!(Digest::decode(&short, 1 << 20, 16).is_err());
         assert!(Digest::decode(&Digest { region: 1 << 19, hashes: before }.encode(), 1 << 20, 16).is_err());
-    }
-
-    #[test]
-    fn region_hashes_from_page_hashes_match_a_full_digest() {
-        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
-        memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
-        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
-        assert_eq!(region_hashes(&digest.page_hashes(), 256 << 10), memory_digest(&mem, 256 << 10, 1));
-    }
-
-    #[test]
-    fn background_digest_counts_what_it_has_not_hashed() {
-        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
-        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
-        assert!(digest.backlog_pages() <= 4096, "all pages at first, at most");
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-        assert_eq!(digest.backlog_pages(), 0);
-        let mut dirty = DirtyBitmap::new(4096);
-        [0, 1, 3].into_iter().for_each(|p| dirty.set(p));
-        memory::write(&mem, 4096, &[5]).unwrap();
-        digest.mark(dirty);
-        assert!(digest.backlog_pages() <= 3);
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-        assert_eq!(digest.backlog_pages(), 0);
-    }
-
-    #[test]
-    fn awaited_hashes_come_from_the_reader_or_are_hashed_when_asked_for() {
-        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
-        let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-        // Pages 5, 6 and 900 change; the reader hands over 5's and 900's
-        // hashes (900's stale: what it read before a later write would
-        // be marked again), 6's never comes.
-        let mut changed = DirtyBitmap::new(4096);
-        for page in [5u64, 6, 900] {
-            memory::write(&mem, page * 4096 + 9, &[page as u8]).unwrap();
-            changed.set(page);
-        }
-        digest.await_hashes(changed.clone());
-        let mut page = [0u8; PAGE_SIZE];
-        memory::read_page(&mem, 5, &mut page).unwrap();
-        let feed = digest.feed();
-        feed.known(vec![(5, page_hash(&page)), (900, 12345)]);
-        let mut again = DirtyBitmap::new(4096);
-        again.set(900);
-        digest.mark(again);
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-        drop(digest); // ends its thread although the feed lives on
-        feed.known(vec![(1, 1)]);
     }
 
     #[test]
@@ -620,17 +371,6 @@ mod tests {
         digest.mark(&sent);
         digest.known_zero(&zeros);
         assert_eq!(digest.refresh(&mem, 1), 1, "only the changed page is read");
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-    }
-
-    #[test]
-    fn fresh_memory_hashes_only_what_is_marked() {
-        let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
-        let digest = BackgroundDigest::start_fresh(mem.clone(), 256 << 10);
-        assert_eq!(digest.backlog_pages(), 0);
-        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
-        memory::write(&mem, 5 << 20, &[3; 100]).unwrap();
-        digest.mark(memory::take_vmm_dirty(&mem));
         assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
     }
 

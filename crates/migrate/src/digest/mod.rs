@@ -1,0 +1,11 @@
+//! Per-region hashes of guest memory: the source sends them at
+//! stop-and-copy, the destination compares before it says READY.
+
+mod background;
+mod incremental;
+
+pub use background::{BackgroundDigest, DigestFeed};
+pub use incremental::{
+    far_copy_hash, memory_digest, page_hash, region_hashes, zero_page_hash, FarPageHashes, IncrementalDigest,
+    DEFAULT_REGION,
+};
