@@ -43,6 +43,12 @@ pub(super) struct Outstanding {
     /// Where the background push goes on (the page after the last one
     /// asked for, for locality).
     pub(super) cursor: u64,
+    /// Counts the links: a request server takes pages only while its link
+    /// is the current one. (One left from a cut link took a page after
+    /// the reconnection had named it missing again, and wrote it into the
+    /// dead connection: the new server then found it sent, and the
+    /// destination waited for it for ever.)
+    pub(super) link: u64,
 }
 
 impl Outstanding {
@@ -261,7 +267,9 @@ impl Link {
         let pages = memory::page_count(vm.memory());
         let reader = spawn_reader(reader, pages, heard_tx.clone(), requests_tx);
         if let Some(stream) = urgent {
+            let link = outstanding.lock().unwrap().link;
             let server = UrgentServer {
+                link,
                 writer: BufWriter::with_capacity(256 << 10, stream),
                 outstanding: outstanding.clone(),
                 sent: counters.urgent_pages.clone(),
@@ -280,6 +288,8 @@ impl Link {
 
 /// Sends asked-for pages on the connection kept for them.
 struct UrgentServer {
+    /// The link it serves ([`Outstanding::link`]).
+    link: u64,
     writer: BufWriter<Stream>,
     outstanding: Arc<Mutex<Outstanding>>,
     /// Pages sent, and bytes.
@@ -306,6 +316,9 @@ impl UrgentServer {
                 // in order catches up with the push and faults on the
                 // pages in flight, a third of all pages for fill-random).
                 let mut outstanding = self.outstanding.lock().unwrap();
+                if outstanding.link != self.link {
+                    return;
+                }
                 pages.retain(|&p| {
                     let unsent = outstanding.unsent.get(p);
                     outstanding.unsent.unset(p);

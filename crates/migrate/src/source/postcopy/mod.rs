@@ -122,7 +122,7 @@ impl SourceRun<'_> {
             _ => None,
         };
         let counters = Counters::default();
-        let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0 }));
+        let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0, link: 0 }));
         let reader = self.reader.take().expect("connected");
         let urgent = self.urgent.take();
         let connections = (writers, reader, urgent);
@@ -454,6 +454,7 @@ impl SourceRun<'_> {
                 let mut outstanding = outstanding.lock().unwrap();
                 outstanding.unsent = ack.missing;
                 outstanding.cursor = 0;
+                outstanding.link += 1;
             }
             FrameKind::Error => return Err(SourceError::Refused(ErrorMessage::decode(&frame).0)),
             other => return Err(WireError::Unexpected { got: other, expected: "RESUME_ACK" }.into()),
