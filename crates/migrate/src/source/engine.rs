@@ -158,9 +158,9 @@ impl Engine {
                 for _ in 0..buffers * carried + 2 * carried {
                     pool_tx.send(Vec::with_capacity(out_capacity)).expect("pool has room");
                 }
+                send_queues.push(rx.clone());
                 // Hold one zero-copy buffer in the kernel at most, so the
                 // encoders never run out while we wait for completions.
-                send_queues.push(rx.clone());
                 let send = SendLoop { stage: sender(channel, 1), input: rx, pool: pool_tx, done: done_tx.clone() };
                 let live = live.clone();
                 senders.push(
@@ -347,14 +347,14 @@ impl Engine {
     }
 
     /// Waits (at most `limit`) while an encoded batch waits for its
-    /// sender, or some channel's sender is writing or its socket holds more
-    /// than what a link of `rate` bytes per second carries in its round
-    /// trip plus `lead`. Where the link is the
-    /// bottleneck a batch fetched then goes out within about that time,
-    /// not behind the whole pipeline's depth (at 1 Gbit/s its queues and
-    /// buffers held ~300 ms of pages, stale by the time they arrived);
-    /// where fetching or encoding is, the senders are idle and nothing
-    /// waits. False when `limit` passed first.
+    /// sender, or some channel's sender is writing or its socket holds
+    /// more than what a link of `rate` bytes per second carries in its
+    /// round trip plus `lead`. Where the link is the bottleneck a batch
+    /// fetched then goes out within about that time, not behind the whole
+    /// pipeline's depth (at 1 Gbit/s its queues and buffers held ~300 ms
+    /// of pages, stale by the time they arrived); where fetching or
+    /// encoding is, the senders are idle and nothing waits. False when
+    /// `limit` passed first.
     pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         let rtt = self.round_trip().unwrap_or_default();

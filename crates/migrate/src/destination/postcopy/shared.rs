@@ -154,7 +154,9 @@ impl PostcopyShared {
                     Ok(())
                 }
                 Encoding::Zero => self.install_page(first, None),
-                other => Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw or zero only)"))),
+                other => {
+                    Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw, raw-run or zero only)")))
+                }
             }
         })?;
         Ok(())

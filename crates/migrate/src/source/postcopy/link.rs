@@ -88,9 +88,11 @@ pub(super) struct PageFrames {
     /// Consecutive pages read for one record.
     run: Vec<u8>,
     out: Vec<u8>,
-    /// The digest's hash of each page read since last taken: memory is
-    /// paused, so the digest need not read the page again.
+    /// The digest's hash of each page read since last taken, when
+    /// `hash` is set: memory is paused, so the digest need not read the
+    /// page again.
     pub(super) hashes: Vec<(u64, u64)>,
+    pub(super) hash: bool,
     pub(super) zero: u64,
     pub(super) packer: Option<Packer>,
 }
@@ -155,6 +157,7 @@ impl PageFrames {
             run: Vec::with_capacity(RECORDS_PER_FRAME * PAGE_SIZE),
             out: Vec::new(),
             hashes: Vec::new(),
+            hash: false,
             zero: 0,
             packer: None,
         }
@@ -192,7 +195,9 @@ impl PageFrames {
                 let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..]).try_into().expect("one page");
                 memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
                 let zero = is_zero(page);
-                self.hashes.push((index, if zero { zero_page_hash() } else { page_hash(page) }));
+                if self.hash {
+                    self.hashes.push((index, if zero { zero_page_hash() } else { page_hash(page) }));
+                }
                 let follows = at > 0 && index == first + (at / PAGE_SIZE) as u64;
                 if zero || !follows {
                     // The run so far ends before this page, which starts
@@ -304,6 +309,7 @@ struct UrgentServer {
 impl UrgentServer {
     fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
         let mut frames = PageFrames::new();
+        frames.hash = self.digest.is_some();
         while let Ok(mut pages) = requests.recv() {
             // Take every request queued meanwhile: one write for all.
             pages.extend(requests.try_iter().flatten());

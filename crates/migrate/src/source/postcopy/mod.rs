@@ -326,6 +326,7 @@ impl SourceRun<'_> {
     ) -> Result<PostcopyDone, Heard> {
         let vm = self.vm;
         let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
+        frames.hash = link.digest.is_some();
         let mut next = 0usize;
         loop {
             match link.heard.try_recv() {
