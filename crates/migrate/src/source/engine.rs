@@ -34,6 +34,10 @@ struct LiveBusy {
     encode: AtomicU64,
     send: AtomicU64,
     since: Instant,
+    /// Encoded batches handed to a sender's queue and not taken from it
+    /// yet (counted here: a handle on the queue itself would keep it open
+    /// after its sender stopped, and an encoder would wait on it for ever).
+    for_senders: std::sync::atomic::AtomicI64,
 }
 
 fn add_busy(counter: &AtomicU64, d: Duration) {
@@ -95,8 +99,6 @@ enum Mode {
     Threads {
         to_encoders: Vec<Sender<ToEncoder>>,
         free_batches: Receiver<Batch>,
-        /// Each sender's queue, looked at (never read) for what waits in it.
-        send_queues: Vec<Receiver<SendItem>>,
         done: Receiver<Result<u64, PipelineError>>,
         encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
         senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
@@ -122,6 +124,7 @@ impl Engine {
             encode: AtomicU64::new(0),
             send: AtomicU64::new(0),
             since: Instant::now(),
+            for_senders: Default::default(),
         });
         let out_capacity = batch_pages * (PAGE_SIZE + 64);
         let sender = |channel: u16, keep: usize| {
@@ -150,7 +153,6 @@ impl Engine {
             let mut to_senders = Vec::new();
             let mut senders = Vec::new();
             let mut out_pools = Vec::new();
-            let mut send_queues = Vec::new();
             for channel in 0..layout.channels {
                 let carried = layout.shards_of(channel).count();
                 let (tx, rx) = bounded::<SendItem>(buffers * carried + carried);
@@ -158,7 +160,6 @@ impl Engine {
                 for _ in 0..buffers * carried + 2 * carried {
                     pool_tx.send(Vec::with_capacity(out_capacity)).expect("pool has room");
                 }
-                send_queues.push(rx.clone());
                 // Hold one zero-copy buffer in the kernel at most, so the
                 // encoders never run out while we wait for completions.
                 let send = SendLoop { stage: sender(channel, 1), input: rx, pool: pool_tx, done: done_tx.clone() };
@@ -194,14 +195,7 @@ impl Engine {
                 );
                 to_encoders.push(tx);
             }
-            let mode = Mode::Threads {
-                to_encoders,
-                free_batches: free_rx,
-                send_queues,
-                done: done_rx,
-                encoders: handles,
-                senders,
-            };
+            let mode = Mode::Threads { to_encoders, free_batches: free_rx, done: done_rx, encoders: handles, senders };
             ((layout.shards as u32, layout.channels as u32), mode)
         };
         Ok(Engine {
@@ -376,11 +370,8 @@ impl Engine {
     }
 
     /// Encoded batches waiting for their sender (not those it writes).
-    fn queued_for_senders(&self) -> usize {
-        match &self.mode {
-            Mode::InTurn { .. } => 0,
-            Mode::Threads { send_queues, .. } => send_queues.iter().map(Receiver::len).sum(),
-        }
+    fn queued_for_senders(&self) -> i64 {
+        self.live.for_senders.load(Ordering::Relaxed)
     }
 
     /// Waits (at most `limit`) until every channel's socket holds at most
@@ -489,7 +480,9 @@ impl EncodeLoop {
             };
             stats.sample_queue(self.output.len(), &mut samples);
             let start = Instant::now();
+            live.for_senders.fetch_add(1, Ordering::Relaxed);
             if self.output.send(item).is_err() {
+                live.for_senders.fetch_sub(1, Ordering::Relaxed);
                 let _ = self.done.send(Err(PipelineError::Stopped));
                 break;
             }
@@ -515,6 +508,7 @@ impl SendLoop {
         loop {
             let start = Instant::now();
             let Ok(item) = self.input.recv() else { break };
+            live.for_senders.fetch_sub(1, Ordering::Relaxed);
             stats.wait_input_seconds += start.elapsed().as_secs_f64();
             if !matches!(item, SendItem::End { .. }) {
                 stats.items += 1;
