@@ -27,6 +27,10 @@ const DIGEST_LAG_PAGES: u64 = 1024;
 /// encode here), and the longest it waits for the link at a time.
 const LINK_LEAD: std::time::Duration = std::time::Duration::from_millis(10);
 const LINK_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long an uncapped link's rate is measured before a look trusts it:
+/// what went out in the first tens of milliseconds (while the iteration
+/// starts) had a small kv guest handed over on a link it keeps up with.
+const LINK_MEASURED: std::time::Duration = std::time::Duration::from_millis(100);
 /// How long it waits for the link between two looks at the guest.
 const LOOK_STEP: std::time::Duration = std::time::Duration::from_millis(5);
 
@@ -244,9 +248,12 @@ impl SourceRun<'_> {
                 let handed = loop {
                     // What the link carries: the cap where one is known
                     // (early on the sockets' buffers take more than it, or
-                    // less while the iteration starts), else what went out.
-                    let written = (self.engine().bytes() - bytes_before) as f64 / started.elapsed().as_secs_f64();
-                    let link = self.options.max_bandwidth.map_or(written, |cap| cap as f64);
+                    // less while the iteration starts), else what went out,
+                    // once that says something (no look before: 0).
+                    let elapsed = started.elapsed();
+                    let written = (self.engine().bytes() - bytes_before) as f64 / elapsed.as_secs_f64();
+                    let measured = if elapsed < LINK_MEASURED { 0.0 } else { written };
+                    let link = self.options.max_bandwidth.map_or(measured, |cap| cap as f64);
                     if watch
                         .handover(link, self.stats.pages_total, &mut peek, |b| vm.peek_dirty_log(b).unwrap_or(false))
                     {
