@@ -67,7 +67,7 @@ impl BackgroundDigest {
                 };
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
                 let mut taken = stale;
-                let mut awaited: Option<DirtyBitmap> = None;
+                let mut awaited = DirtyBitmap::new(memory::page_count(&mem));
                 while let Ok(first) = rx.recv() {
                     // Take every request queued so far, then hash once.
                     let mut waiting = Vec::new();
@@ -82,15 +82,10 @@ impl BackgroundDigest {
                             }
                             Request::Await(pages) => {
                                 digest.unmark(&pages);
-                                match &mut awaited {
-                                    Some(awaited) => awaited.union_with(&pages),
-                                    None => awaited = Some(pages),
-                                }
+                                awaited.union_with(&pages);
                             }
                             Request::Known(hashes) => {
-                                if let Some(awaited) = &mut awaited {
-                                    hashes.iter().for_each(|&(page, _)| awaited.unset(page));
-                                }
+                                hashes.iter().for_each(|&(page, _)| awaited.unset(page));
                                 digest.known(hashes.into_iter());
                             }
                             other => waiting.push(other),
@@ -101,9 +96,8 @@ impl BackgroundDigest {
                     }
                     // Whoever waits gets every page, those still awaited too.
                     if !waiting.is_empty() {
-                        if let Some(awaited) = awaited.take() {
-                            digest.mark(&awaited);
-                        }
+                        digest.mark(&awaited);
+                        awaited.clear();
                     }
                     // One thread while the migration runs beside it; every
                     // core when someone waits (the guest is paused then).

@@ -85,7 +85,8 @@ impl Outstanding {
 /// paused VM, compressed (POSTCOPY_PAGES_COMPRESSED) while that pays.
 pub(super) struct PageFrames {
     builder: PagesBuilder,
-    /// Consecutive pages read for one record.
+    /// Consecutive pages read for one record (a frame's worth, allocated
+    /// once: the pages read so far are its start).
     run: Vec<u8>,
     out: Vec<u8>,
     /// The digest's hash of each page read since last taken, when
@@ -154,7 +155,7 @@ impl PageFrames {
     pub(super) fn new() -> PageFrames {
         PageFrames {
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
-            run: Vec::with_capacity(RECORDS_PER_FRAME * PAGE_SIZE),
+            run: vec![0; RECORDS_PER_FRAME * PAGE_SIZE],
             out: Vec::new(),
             hashes: Vec::new(),
             hash: false,
@@ -187,12 +188,11 @@ impl PageFrames {
         for chunk in pages.chunks(RECORDS_PER_FRAME) {
             self.builder.reset(u32::MAX, 0);
             // The run being read: its first page and its bytes so far.
-            let mut first = 0;
-            self.run.clear();
+            let (mut first, mut len) = (0, 0);
             for &index in chunk {
-                let at = self.run.len();
-                self.run.resize(at + PAGE_SIZE, 0);
-                let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..]).try_into().expect("one page");
+                let at = len;
+                len += PAGE_SIZE;
+                let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..len]).try_into().expect("one page");
                 memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
                 let zero = is_zero(page);
                 if self.hash {
@@ -203,17 +203,17 @@ impl PageFrames {
                     // The run so far ends before this page, which starts
                     // the next one.
                     push_run(&mut self.builder, first, &self.run[..at]);
-                    self.run.copy_within(at.., 0);
-                    self.run.truncate(PAGE_SIZE);
+                    self.run.copy_within(at..len, 0);
+                    len = PAGE_SIZE;
                     first = index;
                 }
                 if zero {
-                    self.run.clear();
+                    len = 0;
                     self.builder.push(index, Encoding::Zero, &[]);
                     self.zero += 1;
                 }
             }
-            push_run(&mut self.builder, first, &self.run);
+            push_run(&mut self.builder, first, &self.run[..len]);
             match &mut self.packer {
                 Some(packer) => packer.frame(self.builder.payload(), &mut self.out),
                 None => protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload())
