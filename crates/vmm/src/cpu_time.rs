@@ -100,6 +100,14 @@ pub fn hurry_thread(tid: libc::pid_t) {
     unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) };
 }
 
+/// Puts thread `tid` of this process back under the normal scheduler
+/// (undoes [`hurry_thread`]).
+pub fn normal_thread_of(tid: libc::pid_t) {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in realtime_thread; `tid` names a thread of this process.
+    unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &param) };
+}
+
 /// This thread's kernel id.
 pub fn current_thread_id() -> libc::pid_t {
     thread_id() as libc::pid_t
@@ -109,7 +117,5 @@ pub fn current_thread_id() -> libc::pid_t {
 /// creator's policy: a vCPU thread runs guest code for as long as it may,
 /// and must never do so ahead of every other thread.
 pub fn normal_thread() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: as in realtime_thread.
-    unsafe { libc::sched_setscheduler(thread_id() as libc::pid_t, libc::SCHED_OTHER, &param) };
+    normal_thread_of(thread_id() as libc::pid_t);
 }

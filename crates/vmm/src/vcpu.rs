@@ -208,6 +208,9 @@ pub(crate) enum VcpuRequest {
     Resume,
     Save(Sender<Result<VcpuState, VcpuError>>),
     Restore(Box<VcpuState>, Sender<Result<(), VcpuError>>),
+    /// Restore (at this TSC rate, when given), then run the guest; the
+    /// callback and the reply come as it goes into the guest.
+    RestoreAndRun(Box<VcpuState>, Option<u32>, Box<dyn FnOnce() + Send>, Sender<Result<(), VcpuError>>),
     Stop,
 }
 
@@ -311,13 +314,10 @@ impl VcpuRunner {
         self.shared.thread_id.store(crate::cpu_time::current_thread_id(), Ordering::Release);
         let exit_flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(exit_flag));
-        // SAFETY: pthread_self has no preconditions.
-        let own = OwnThread(unsafe { libc::pthread_self() });
+        // Started with the first throttle, not here: a migrated VM's first
+        // instruction runs at the destination without waiting for it.
         let kicker_done = Arc::new(AtomicBool::new(false));
-        let kicker = {
-            let (shared, done) = (self.shared.clone(), kicker_done.clone());
-            std::thread::Builder::new().name("vcpu0-throttle".into()).spawn(move || throttle_kicker(shared, own, done))
-        };
+        let mut kicker = None;
         let mut console = DebugConsole::default();
         let mut unknown = UnknownPorts::default();
         let mut stop_status = (!self.start_running).then_some(VcpuStatus::Paused);
@@ -337,9 +337,18 @@ impl VcpuRunner {
                 stop_status = Some(status);
             }
             self.throttle(&mut slice_start);
+            if kicker.is_none() && self.shared.throttle_per_mille.load(Ordering::Relaxed) > 0 {
+                // SAFETY: pthread_self has no preconditions.
+                let own = OwnThread(unsafe { libc::pthread_self() });
+                let (shared, done) = (self.shared.clone(), kicker_done.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("vcpu0-throttle".into())
+                    .spawn(move || throttle_kicker(shared, own, done));
+                kicker = Some(spawned);
+            }
         }
         kicker_done.store(true, Ordering::Release);
-        if let Ok(kicker) = kicker {
+        if let Some(Ok(kicker)) = kicker {
             kicker.thread().unpark();
             let _ = kicker.join();
         }
@@ -368,9 +377,15 @@ impl VcpuRunner {
     /// Serves requests while not running. Returns false when told to stop.
     fn serve_stopped(&mut self, status: VcpuStatus) -> bool {
         if self.shared.snapshot_wanted.swap(false, Ordering::AcqRel) {
-            *self.shared.snapshot.lock().unwrap() = save_state(&self.fd, &self.msr_indices).ok();
+            // The pause is told before the state is read (~0.1 ms of
+            // ioctls): its caller reads the dirty log meanwhile, and a
+            // reader of the state waits on this lock until it is in.
+            let mut snapshot = self.shared.snapshot.lock().unwrap();
+            self.shared.set(status);
+            *snapshot = save_state(&self.fd, &self.msr_indices).ok();
+        } else {
+            self.shared.set(status);
         }
-        self.shared.set(status);
         // A pause may have hurried this thread (Vm::pause_for_state); the
         // pause is told first (going back may give the CPU away at once).
         crate::cpu_time::normal_thread();
@@ -378,6 +393,9 @@ impl VcpuRunner {
             let Ok(req) = self.requests.recv() else { return false };
             match req {
                 VcpuRequest::Resume => {
+                    // Hurried after it stopped (the pause kicks first), it
+                    // must not run guest code under SCHED_FIFO.
+                    crate::cpu_time::normal_thread();
                     *self.shared.snapshot.lock().unwrap() = None;
                     self.shared.wants_pause.store(false, Ordering::Release);
                     self.shared.set(VcpuStatus::Running);
@@ -389,6 +407,24 @@ impl VcpuRunner {
                 VcpuRequest::Restore(state, reply) => {
                     *self.shared.snapshot.lock().unwrap() = None;
                     let _ = reply.send(restore_state(&self.fd, &state));
+                }
+                VcpuRequest::RestoreAndRun(state, tsc_khz, announce, reply) => {
+                    *self.shared.snapshot.lock().unwrap() = None;
+                    let restored = match tsc_khz {
+                        Some(khz) => self.fd.set_tsc_khz(khz).map_err(ioctl_err("KVM_SET_TSC_KHZ")),
+                        None => Ok(()),
+                    }
+                    .and_then(|()| restore_state(&self.fd, &state));
+                    let run = restored.is_ok();
+                    if run {
+                        self.shared.wants_pause.store(false, Ordering::Release);
+                        self.shared.set(VcpuStatus::Running);
+                        announce();
+                    }
+                    let _ = reply.send(restored);
+                    if run {
+                        return true;
+                    }
                 }
                 VcpuRequest::Stop => return false,
             }
