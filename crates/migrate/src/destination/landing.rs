@@ -9,6 +9,8 @@ use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
 use super::error::ReceiveError;
+use super::postcopy::BackChannel;
+use crate::protocol::{self, FrameKind, PostcopyRunning};
 
 /// A disk cache a warm migration filled ahead of the VM, for its disk.
 pub struct WarmDisk {
@@ -32,10 +34,24 @@ pub trait Landing {
     fn opens_storage(&self) -> bool {
         true
     }
-    /// Runs the guest before all its memory is here (post-copy): no huge
-    /// pages yet (they come once every page is in).
-    fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
-        self.start()
+    /// Post-copy is coming: get what starts the guest ready, so that the
+    /// switch only wakes it.
+    fn ready_postcopy(&mut self) -> Result<(), ReceiveError> {
+        Ok(())
+    }
+    /// Loads the state and runs the guest before all its memory is here
+    /// (post-copy): no huge pages yet (they come once every page is in).
+    /// `announce` runs as the guest starts.
+    fn run_postcopy(
+        &mut self,
+        state: &[u8],
+        disk_cache: Option<WarmDisk>,
+        announce: Announce,
+    ) -> Result<(), ReceiveError> {
+        self.restore(state, disk_cache)?;
+        self.start()?;
+        announce();
+        Ok(())
     }
     /// The VM has far memory (its pages named in `map` live on memory
     /// hosts): attach to them. Plain memory ignores it, as it ignores disks.
@@ -72,12 +88,7 @@ impl Landing for VmLanding {
     }
 
     fn restore(&mut self, blob: &[u8], disk_cache: Option<WarmDisk>) -> Result<(), ReceiveError> {
-        if blob.is_empty() {
-            return Err(ReceiveError::BadState(
-                "the source sent no vCPU state (a trace replay?); receive it with --memory-only".into(),
-            ));
-        }
-        let state = VmState::decode(blob).map_err(|e| ReceiveError::BadState(e.to_string()))?;
+        let state = decode_state(blob)?;
         Ok(self
             .vm
             .as_mut()
@@ -102,7 +113,18 @@ impl Landing for VmLanding {
         Ok(())
     }
 
-    fn start_postcopy(&mut self) -> Result<(), ReceiveError> {
+    fn ready_postcopy(&mut self) -> Result<(), ReceiveError> {
+        // Its vCPU thread, paused until the state comes.
+        Ok(self.vm.as_mut().expect("created first").start(true)?)
+    }
+
+    fn run_postcopy(
+        &mut self,
+        blob: &[u8],
+        disk_cache: Option<WarmDisk>,
+        announce: Announce,
+    ) -> Result<(), ReceiveError> {
+        let state = decode_state(blob)?;
         let vm = self.vm.as_mut().expect("created first");
         if self.far.is_some() {
             // Before the vCPU runs: far memory reads the log once it takes
@@ -110,7 +132,7 @@ impl Landing for VmLanding {
             // that may be waiting on a far page.
             vm.set_dirty_logging(true)?;
         }
-        Ok(vm.start(false)?)
+        Ok(vm.restore_and_run(&state, disk_cache.map(|d| (d.spec, d.cache)), announce)?)
     }
 
     fn far_reader(&mut self) -> Result<Option<FarReader>, ReceiveError> {
@@ -153,4 +175,26 @@ impl Landing for MemoryLanding {
         self.started = true;
         Ok(())
     }
+}
+
+/// Tells the source the VM runs here (post-copy's switch).
+pub(super) type Announce = Box<dyn FnOnce() + Send>;
+
+/// The [`Announce`] that writes POSTCOPY_RUNNING on the back channel (a
+/// failed write shows on the link's reader; the VM runs here regardless).
+pub(super) fn announce_running(back: BackChannel, running: PostcopyRunning) -> Announce {
+    Box::new(move || {
+        let mut w = back.lock().unwrap();
+        let _ = protocol::write_frame(&mut *w, FrameKind::PostcopyRunning, &running.encode()).and_then(|()| w.flush());
+    })
+}
+
+/// The VM's state from its blob.
+fn decode_state(blob: &[u8]) -> Result<VmState, ReceiveError> {
+    if blob.is_empty() {
+        return Err(ReceiveError::BadState(
+            "the source sent no vCPU state (a trace replay?); receive it with --memory-only".into(),
+        ));
+    }
+    VmState::decode(blob).map_err(|e| ReceiveError::BadState(e.to_string()))
 }

@@ -17,7 +17,7 @@ use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 use super::apply::{PageMarks, ShardWorker};
 use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
 use super::error::ReceiveError;
-use super::landing::{Landing, WarmDisk};
+use super::landing::{announce_running, Landing, WarmDisk};
 use super::options::ReceiveOptions;
 use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
@@ -219,6 +219,7 @@ impl<'a> StreamReceiver<'a> {
                 };
                 let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout, far)?;
                 let _ = shared.postcopy.set(postcopy.clone());
+                landing.ready_postcopy()?;
                 // From here to the VM's start every step is on the switch's
                 // path: this thread runs without waiting for a CPU (each
                 // step blocks or ends within a millisecond).
@@ -248,14 +249,13 @@ impl<'a> StreamReceiver<'a> {
                 self.next(&mut reader)?;
                 let state = std::mem::take(&mut self.frame.buf);
                 let disk_cache = self.finish_warm();
-                landing.restore(&state, disk_cache)?;
-                landing.start_postcopy()?;
                 let running = PostcopyRunning { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
                 // The VM runs here from now on, whether this reaches the
                 // source or not: a cut link shows on channel 0's reader and
-                // the phase waits for the source to come back.
-                let _ =
-                    write_flushed(writer, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()));
+                // the phase waits for the source to come back. The vCPU
+                // thread says it as it goes into the guest (this thread
+                // woke up 30-90 µs later).
+                landing.run_postcopy(&state, disk_cache, announce_running(writer.clone(), running))?;
                 drop(realtime);
                 self.state = ReceiverState::Postcopy;
                 (self.log)(&format!(

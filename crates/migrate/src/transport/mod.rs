@@ -198,7 +198,7 @@ pub enum Stream {
 }
 
 impl Stream {
-    /// Waits up to `limit` for bytes to read, looking every 50 µs rather
+    /// Waits up to `limit` for bytes to read, looking every 20 µs rather
     /// than sleeping until they come: for the moment of a switch, when the
     /// next message is a fraction of a millisecond away and waking a thread
     /// whose CPU went idle took 2-3 ms on this host (a CPU that sleeps only
@@ -209,7 +209,7 @@ impl Stream {
         let mut poll = libc::pollfd { fd: self.raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one pollfd that lives across the call, timeout 0.
         while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(Duration::from_micros(20));
         }
     }
 

@@ -114,6 +114,11 @@ impl PostcopyShared {
     /// Drops the pages of `more` too: they went stale at the source since
     /// the last look. Only before the VM runs here (nothing faults yet).
     pub(crate) fn add_missing(&self, more: &DirtyBitmap) -> Result<(), ReceiveError> {
+        // The pause's set is often empty: nothing to walk on the switch's
+        // path (the walks below take ~60 µs for 4 GiB).
+        if more.is_empty() {
+            return Ok(());
+        }
         let mut new = DirtyBitmap::new(self.pages);
         for p in more.iter().filter(|&p| !self.missing.is_bit_set(p as usize)) {
             new.set(p);

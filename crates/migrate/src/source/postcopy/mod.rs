@@ -80,31 +80,34 @@ impl SourceRun<'_> {
         // still runs here; the pause adds only what it dirtied since.
         let (mut missing, mut last) = self.prepare(&mut writers[0], missing, last_iteration, timeout_ms)?;
         self.enter(SourceState::StopAndCopy);
+        // Only what the destination needs before it runs the VM happens
+        // between the pause and the hand-over; the rest waits until after.
+        let mut fresh = vm.dirty_bitmap();
         let paused = Instant::now();
         vm.pause_for_state()?;
         let stopped = Instant::now();
-        let mut fresh = vm.dirty_bitmap();
         // Pages dirtied since are populated, and not far: taken as they are.
         vm.dirty_log(&mut fresh)?;
         last.union_with(&fresh);
         last.subtract(&missing);
-        missing.union_with(&last);
-        let pages = missing.count();
         let start = PostcopyStart { last_iteration: None, timeout_ms, missing: last };
         let looked = Instant::now();
-        let blob = vm.state_blob()?;
-        let written = self.disk_written_frames();
         {
+            // The set goes first, while the vCPU thread still reads the
+            // state: the destination takes it in meanwhile.
             let w = &mut writers[0];
-            for payload in &written {
+            for payload in &self.disk_written_frames() {
                 protocol::write_frame(w, FrameKind::DiskWritten, payload)?;
             }
-            protocol::write_frame(w, FrameKind::Postcopy, &start.encode())?;
+            write_frame_flushed(w, FrameKind::Postcopy, &start.encode())?;
+            let blob = vm.state_blob()?;
             write_frame_flushed(w, FrameKind::State, &blob)?;
         }
         let handed = Instant::now();
         // The point of no return: the destination may run the VM now.
         self.enter(SourceState::Postcopy);
+        missing.union_with(&start.missing);
+        let pages = missing.count();
         let started_ms = ms(self.start.elapsed());
         self.stats.postcopy =
             Some(PostcopyStats { started_at_ms: started_ms, pages_missing: pages, ..Default::default() });
