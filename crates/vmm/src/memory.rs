@@ -1,8 +1,8 @@
 //! Guest memory: one anonymous mapping per VM, registered as KVM slot 0 at
 //! guest physical address 0. Every write the VMM makes through it (device
 //! emulation, an arriving migration) marks its pages in the mapping's
-//! `AtomicBitmap`, which KVM's dirty log cannot see: [`take_vmm_dirty`]
-//! reads them for the migration's dirty set.
+//! bitmap ([`VmmDirty`]), which KVM's dirty log cannot see:
+//! [`take_vmm_dirty`] reads them for the migration's dirty set.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

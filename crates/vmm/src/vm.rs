@@ -290,7 +290,8 @@ impl Vm {
         self.shared.snapshot_wanted.store(true, std::sync::atomic::Ordering::Release);
         // A migration's downtime starts now: the vCPU thread must not wait
         // for a CPU behind other threads to notice the kick (it goes back
-        // to the normal scheduler as it stops).
+        // to the normal scheduler as it stops, or as it resumes when it
+        // had stopped before this reached it).
         let tid = self.shared.thread_id.load(std::sync::atomic::Ordering::Acquire);
         let running = tid != 0 && !self.shared.get().is_stopped();
         let thread = self.thread()?;
