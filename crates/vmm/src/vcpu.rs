@@ -314,10 +314,13 @@ impl VcpuRunner {
         self.shared.thread_id.store(crate::cpu_time::current_thread_id(), Ordering::Release);
         let exit_flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(exit_flag));
-        // Started with the first throttle, not here: a migrated VM's first
-        // instruction runs at the destination without waiting for it.
+        // SAFETY: pthread_self has no preconditions.
+        let own = OwnThread(unsafe { libc::pthread_self() });
         let kicker_done = Arc::new(AtomicBool::new(false));
-        let mut kicker = None;
+        let kicker = {
+            let (shared, done) = (self.shared.clone(), kicker_done.clone());
+            std::thread::Builder::new().name("vcpu0-throttle".into()).spawn(move || throttle_kicker(shared, own, done))
+        };
         let mut console = DebugConsole::default();
         let mut unknown = UnknownPorts::default();
         let mut stop_status = (!self.start_running).then_some(VcpuStatus::Paused);
@@ -337,18 +340,9 @@ impl VcpuRunner {
                 stop_status = Some(status);
             }
             self.throttle(&mut slice_start);
-            if kicker.is_none() && self.shared.throttle_per_mille.load(Ordering::Relaxed) > 0 {
-                // SAFETY: pthread_self has no preconditions.
-                let own = OwnThread(unsafe { libc::pthread_self() });
-                let (shared, done) = (self.shared.clone(), kicker_done.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("vcpu0-throttle".into())
-                    .spawn(move || throttle_kicker(shared, own, done));
-                kicker = Some(spawned);
-            }
         }
         kicker_done.store(true, Ordering::Release);
-        if let Some(Ok(kicker)) = kicker {
+        if let Ok(kicker) = kicker {
             kicker.thread().unpark();
             let _ = kicker.join();
         }
@@ -396,9 +390,7 @@ impl VcpuRunner {
                     // Hurried after it stopped (the pause kicks first), it
                     // must not run guest code under SCHED_FIFO.
                     crate::cpu_time::normal_thread();
-                    *self.shared.snapshot.lock().unwrap() = None;
-                    self.shared.wants_pause.store(false, Ordering::Release);
-                    self.shared.set(VcpuStatus::Running);
+                    self.mark_running();
                     return true;
                 }
                 VcpuRequest::Save(reply) => {
@@ -409,7 +401,6 @@ impl VcpuRunner {
                     let _ = reply.send(restore_state(&self.fd, &state));
                 }
                 VcpuRequest::RestoreAndRun(state, tsc_khz, announce, reply) => {
-                    *self.shared.snapshot.lock().unwrap() = None;
                     let restored = match tsc_khz {
                         Some(khz) => self.fd.set_tsc_khz(khz).map_err(ioctl_err("KVM_SET_TSC_KHZ")),
                         None => Ok(()),
@@ -417,8 +408,7 @@ impl VcpuRunner {
                     .and_then(|()| restore_state(&self.fd, &state));
                     let run = restored.is_ok();
                     if run {
-                        self.shared.wants_pause.store(false, Ordering::Release);
-                        self.shared.set(VcpuStatus::Running);
+                        self.mark_running();
                         announce();
                     }
                     let _ = reply.send(restored);
@@ -429,6 +419,13 @@ impl VcpuRunner {
                 VcpuRequest::Stop => return false,
             }
         }
+    }
+
+    /// The state is the guest's own from here on: it runs.
+    fn mark_running(&self) {
+        *self.shared.snapshot.lock().unwrap() = None;
+        self.shared.wants_pause.store(false, Ordering::Release);
+        self.shared.set(VcpuStatus::Running);
     }
 
     fn run_once(&mut self, console: &mut DebugConsole, unknown: &mut UnknownPorts) -> Flow {

@@ -288,13 +288,24 @@ impl Vm {
     }
 
     /// [`Vm::pause`] for a caller that reads the state next
-    /// ([`Vm::save_state`]): the vCPU thread reads it as it stops.
+    /// ([`Vm::save_state`]): the vCPU thread reads it as it stops. A
+    /// migration's stop: its downtime starts now.
     pub fn pause_for_state(&self) -> Result<(), VmError> {
         self.shared.snapshot_wanted.store(true, std::sync::atomic::Ordering::Release);
-        // A migration's downtime starts now: the vCPU thread must not wait
-        // for a CPU behind other threads to notice the kick (it goes back
-        // to the normal scheduler as it stops, or as it resumes when it
-        // had stopped before this reached it).
+        self.stop_guest(true)
+    }
+
+    /// Stops guest execution; returns once the vCPU is out of KVM_RUN.
+    pub fn pause(&self) -> Result<(), VmError> {
+        self.stop_guest(false)
+    }
+
+    /// Kicks the vCPU out of the guest and waits until it is out. For a
+    /// migration (`migrating`) the vCPU thread must not wait for a CPU
+    /// behind other threads to notice the kick: it is hurried (it goes
+    /// back to the normal scheduler as it stops, or as it resumes when it
+    /// had stopped before this reached it).
+    fn stop_guest(&self, migrating: bool) -> Result<(), VmError> {
         let tid = self.shared.thread_id.load(std::sync::atomic::Ordering::Acquire);
         let running = tid != 0 && !self.shared.get().is_stopped();
         let thread = self.thread()?;
@@ -303,19 +314,10 @@ impl Vm {
         // Kicked first: a vCPU that has a CPU leaves the guest meanwhile
         // (changing a thread's scheduler took 20-50 µs here).
         thread.kick();
-        if running {
+        if migrating && running {
             crate::cpu_time::hurry_thread(tid);
         }
-        self.wait_paused(true)
-    }
-
-    /// Stops guest execution; returns once the vCPU is out of KVM_RUN.
-    pub fn pause(&self) -> Result<(), VmError> {
-        let thread = self.thread()?;
-        let _one_at_a_time = self.stop_go.lock().unwrap();
-        self.shared.wants_pause.store(true, std::sync::atomic::Ordering::Release);
-        thread.kick();
-        self.wait_paused(false)
+        self.wait_paused(migrating)
     }
 
     /// Waits for the kicked vCPU to stop; `report_slow`: a migration's
@@ -352,17 +354,9 @@ impl Vm {
     /// a migration can send it. 0 lets it run freely again.
     pub fn set_throttle(&self, fraction: f64) {
         let per_mille = (fraction.clamp(0.0, 1.0) * 1000.0).round() as u32;
-        let before = self
-            .shared
+        self.shared
             .throttle_per_mille
-            .swap(per_mille.min(MAX_THROTTLE_PER_MILLE), std::sync::atomic::Ordering::Relaxed);
-        if before == 0 && per_mille > 0 {
-            // Out of KVM_RUN once, to start its kicker (a guest may make
-            // no exits of its own).
-            if let Ok(thread) = self.thread() {
-                thread.kick();
-            }
-        }
+            .store(per_mille.min(MAX_THROTTLE_PER_MILLE), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The share of time the vCPU is made to sleep.

@@ -9,7 +9,7 @@ use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{Vm, VmConfig, VmState};
 
 use super::error::ReceiveError;
-use super::postcopy::BackChannel;
+use super::postcopy::{write_flushed, BackChannel};
 use crate::protocol::{self, FrameKind, PostcopyRunning};
 
 /// A disk cache a warm migration filled ahead of the VM, for its disk.
@@ -184,8 +184,7 @@ pub(super) type Announce = Box<dyn FnOnce() + Send>;
 /// failed write shows on the link's reader; the VM runs here regardless).
 pub(super) fn announce_running(back: BackChannel, running: PostcopyRunning) -> Announce {
     Box::new(move || {
-        let mut w = back.lock().unwrap();
-        let _ = protocol::write_frame(&mut *w, FrameKind::PostcopyRunning, &running.encode()).and_then(|()| w.flush());
+        let _ = write_flushed(&back, |w| protocol::write_frame(w, FrameKind::PostcopyRunning, &running.encode()));
     })
 }
 

@@ -3,7 +3,7 @@
 //! READY, COMMIT. Page frames go to the shard decoders through
 //! [`Dispatcher`]; extra channels are read by their own threads.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, Shar
 use super::error::ReceiveError;
 use super::landing::{announce_running, Landing, WarmDisk};
 use super::options::ReceiveOptions;
-use super::postcopy::{self, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
+use super::postcopy::{self, write_flushed, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
 use crate::buffer_budget::BufferBudget;
 use crate::digest::{BackgroundDigest, FarPageHashes};
@@ -105,17 +105,6 @@ impl Drop for Leftovers {
 
 /// How often the pages written since are handed to the background digest.
 const MARK_EVERY: Duration = Duration::from_millis(100);
-
-/// Writes to the back channel and flushes it.
-fn write_flushed(
-    writer: &BackChannel,
-    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
-) -> Result<(), ReceiveError> {
-    let mut w = writer.lock().unwrap();
-    write(&mut *w)?;
-    w.flush()?;
-    Ok(())
-}
 
 impl<'a> StreamReceiver<'a> {
     pub(super) fn new(options: &'a ReceiveOptions, log: &'a dyn Fn(&str)) -> Self {

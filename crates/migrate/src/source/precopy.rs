@@ -76,7 +76,7 @@ impl SourceRun<'_> {
                 self.digest().await_hashes(unsent.clone());
                 let mut sent = bitmap.clone();
                 sent.subtract(&unsent);
-                self.refresh_digest(&sent, Some(zeros));
+                self.digest().mark_read(sent, Some(zeros));
                 self.stats.per_iteration.push(it);
                 return Ok(PrecopyEnd::Postcopy { missing: unsent, last_iteration: Some(iteration) });
             }

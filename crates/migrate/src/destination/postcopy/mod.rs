@@ -22,7 +22,7 @@ use tsubame_vmm::PAGE_SIZE;
 pub(crate) use self::link::Reconnect;
 use self::link::{spawn_acceptor, spawn_reader, spawn_urgent, Event};
 pub use self::shared::BackChannel;
-pub(crate) use self::shared::{PostcopyShared, Unpacker};
+pub(crate) use self::shared::{write_flushed, PostcopyShared, Unpacker};
 use crate::destination::error::ReceiveError;
 use crate::protocol::{self, Digest, ErrorMessage, FrameKind, PostcopyDone, ReceiverState};
 use crate::stats::process_cpu_seconds;

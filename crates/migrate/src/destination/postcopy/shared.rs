@@ -25,6 +25,17 @@ use crate::stats::process_cpu_seconds;
 /// thread.
 pub type BackChannel = Arc<Mutex<Box<dyn Write + Send>>>;
 
+/// Writes to the back channel and flushes it.
+pub(crate) fn write_flushed(
+    writer: &BackChannel,
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<(), ReceiveError> {
+    let mut w = writer.lock().unwrap();
+    write(&mut *w)?;
+    w.flush()?;
+    Ok(())
+}
+
 /// The guest's progress counter, with where it stood when watching began.
 pub(super) type GuestOps = (Box<dyn Fn() -> u64 + Send + Sync>, u64, Instant);
 
