@@ -73,6 +73,10 @@ pub struct IterationStats {
     pub bytes_on_wire: u64,
     /// Wall time of the iteration.
     pub duration_ms: f64,
+    /// Busy time of its busiest page stage (the fetch, or an encoder
+    /// thread): what its length follows where the link does not bound it.
+    #[serde(default)]
+    pub work_ms: f64,
     /// Share of the time the guest was made to sleep (auto-converge).
     pub throttle: f64,
 }

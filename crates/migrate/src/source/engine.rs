@@ -252,6 +252,17 @@ impl Engine {
         add_busy(&self.live.fetch, busy);
     }
 
+    /// The fetch's busy time so far, and the encoders' per encoder thread:
+    /// the page work an iteration's length follows where the link does not
+    /// bound it.
+    pub fn page_work(&self) -> (Duration, Duration) {
+        let encoders = self.threads.0.max(1) as u64;
+        (
+            Duration::from_nanos(self.live.fetch.load(Ordering::Relaxed)),
+            Duration::from_nanos(self.live.encode.load(Ordering::Relaxed) / encoders),
+        )
+    }
+
     /// Each stage's busy share of its threads so far, e.g.
     /// "fetch 12% encode 85%×3 send 40%×1".
     pub fn summary(&self) -> String {

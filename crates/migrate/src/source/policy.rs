@@ -24,11 +24,32 @@ pub struct PrecopyPolicy {
     bandwidth: f64,
     /// Bytes on the wire per dirty page, from the iterations after the first.
     bytes_per_page: f64,
+    /// Bytes on the wire per dirty page, from the same iterations: what a
+    /// stop sends (with sub-pages a dirty page whose pieces did not change
+    /// sends nothing: a kv guest's sent a third of its dirty pages).
+    bytes_per_dirty_page: f64,
     /// The guest's throttle, when `auto_converge` is on.
     pub auto_converge: AutoConverge,
     /// The link's round trip (channel 0's lowest), when known.
     pub round_trip: Duration,
+    /// The busiest page stage's time per dirty page (fetching, comparing,
+    /// encoding), from the last iteration with enough pages to tell.
+    work_per_page: Duration,
+    /// Hashing a page for the digest (the source's; the destination's
+    /// hashes the same pages meanwhile).
+    pub hash_per_page: Duration,
 }
+
+/// Pages an iteration must have for its work per page to count: fewer
+/// measure the work per batch (a clear of the dirty log each; 484 pages
+/// scattered over 4 GiB took 34 µs each, a few thousand close together
+/// 0.6 µs).
+const WORK_SAMPLE: u64 = 1024;
+/// The pipeline's latency to the end of an iteration, which the stop's
+/// last pages pay however few: 0.2-0.64 ms for a handful here. (Measured
+/// from short iterations it ran 0.2-5 ms with the guest running beside
+/// it, too noisy to go by.)
+const LATENCY: Duration = Duration::from_micros(400);
 
 /// The least an iteration must send to measure the link's rate by.
 const RATE_SAMPLE: u64 = 4 << 20;
@@ -98,15 +119,15 @@ const SHORT_ENOUGH: Duration = Duration::from_millis(1);
 
 /// Whether pre-copy, whose rest now fits the downtime limit, should still
 /// iterate because the dirty set is still shrinking fast (the end game);
-/// `sending`: how long the rest takes on the wire.
+/// `pages_time`: how long the rest takes to send and hash.
 fn ends_sooner_later(
     it: &IterationStats,
     remaining: u64,
     iterations: u32,
-    sending: Duration,
+    pages_time: Duration,
     options: &MigrateOptions,
 ) -> bool {
-    sending > SHORT_ENOUGH
+    pages_time > SHORT_ENOUGH
         && iterations < options.max_iterations
         && remaining as f64 <= SHRINKING * it.dirty_pages as f64
 }
@@ -120,8 +141,11 @@ impl Default for PrecopyPolicy {
         PrecopyPolicy {
             bandwidth: 0.0,
             bytes_per_page: (PAGE_SIZE + RECORD_HEADER) as f64,
+            bytes_per_dirty_page: (PAGE_SIZE + RECORD_HEADER) as f64,
             auto_converge: AutoConverge::default(),
             round_trip: Duration::ZERO,
+            work_per_page: Duration::ZERO,
+            hash_per_page: Duration::ZERO,
         }
     }
 }
@@ -135,25 +159,49 @@ impl PrecopyPolicy {
         // estimate later rounds from later rounds only.
         if it.index > 0 && it.pages_sent > 0 {
             self.bytes_per_page = it.bytes_on_wire as f64 / it.pages_sent as f64;
+            self.bytes_per_dirty_page = it.bytes_on_wire as f64 / it.dirty_pages.max(it.pages_sent) as f64;
         }
         // A short iteration measures its latency, not the link: a few
         // hundred KiB of the end game's went out at a fifth of the rate.
         if it.duration_ms > 1.0 && (it.bytes_on_wire >= RATE_SAMPLE || self.bandwidth == 0.0) {
             self.bandwidth = it.bytes_on_wire as f64 / (it.duration_ms / 1e3);
         }
+        if it.index > 0 && it.dirty_pages >= WORK_SAMPLE {
+            self.work_per_page = Duration::from_secs_f64(it.work_ms / 1e3 / it.dirty_pages as f64);
+        }
         self.bandwidth_for(options)
     }
 
     /// How long a stop with `pages` dirty pages should take: sending
-    /// them, the stop's own work and its two round trips (the digest's
-    /// check, the commit).
+    /// them (bound by the link or by the work on each page), hashing them,
+    /// the stop's own work and its two round trips (the digest's check,
+    /// the commit).
     pub fn expected(&self, pages: u64, bandwidth: f64) -> Duration {
-        self.sending(pages, bandwidth) + STOP_WORK + 2 * self.round_trip
+        self.pages_time(pages, bandwidth) + LATENCY + STOP_WORK + 2 * self.round_trip
+    }
+
+    /// Whether the dirty set grew so much between the look that decided
+    /// to stop (`decided` pages) and the last one before the pause (`now`;
+    /// the digest went and the link drained meanwhile) that one more
+    /// iteration should send it first: past the downtime limit, or its
+    /// pages' time more than doubled and over [`SHORT_ENOUGH`] (a bwmem
+    /// guest at 10 Gbit/s went from 2485 dirty pages to 7287, and its stop
+    /// from 5 ms to 12).
+    pub fn grew_too_much(&self, decided: u64, now: u64, bandwidth: f64, options: &MigrateOptions) -> bool {
+        self.expected(now, bandwidth) > options.downtime_limit
+            || self.pages_time(now, bandwidth) > (2 * self.pages_time(decided, bandwidth)).max(SHORT_ENOUGH)
+    }
+
+    /// The part of a stop that grows with its dirty pages: sending them
+    /// (bound by the link or by the work on each page) and hashing them.
+    fn pages_time(&self, pages: u64, bandwidth: f64) -> Duration {
+        let per_page = |cost: Duration| Duration::from_secs_f64(cost.as_secs_f64() * pages as f64);
+        self.sending(pages, bandwidth).max(per_page(self.work_per_page)) + per_page(self.hash_per_page)
     }
 
     /// How long sending `pages` dirty pages should take.
     fn sending(&self, pages: u64, bandwidth: f64) -> Duration {
-        Duration::from_secs_f64(pages as f64 * self.bytes_per_page / bandwidth)
+        Duration::from_secs_f64(pages as f64 * self.bytes_per_dirty_page / bandwidth)
     }
 
     /// Decides after iteration `it` (already observed), with `remaining`
@@ -173,7 +221,7 @@ impl PrecopyPolicy {
         let stop = if remaining == 0 {
             Some(StopReason::NoDirtyPages)
         } else if expected <= options.downtime_limit {
-            if ends_sooner_later(it, remaining, iterations, self.sending(remaining, bandwidth), options) {
+            if ends_sooner_later(it, remaining, iterations, self.pages_time(remaining, bandwidth), options) {
                 return Decision::Continue { throttle: None };
             }
             Some(StopReason::Converged)
@@ -300,8 +348,31 @@ mod tests {
             pages_sent: pages,
             bytes_on_wire: bytes,
             duration_ms: ms,
-            throttle: 0.0,
+            ..Default::default()
         }
+    }
+
+    #[test]
+    fn expected_downtime_counts_the_work_on_each_page() {
+        let options = MigrateOptions { postcopy: PostcopyMode::Off, ..MigrateOptions::default() };
+        let mut policy = PrecopyPolicy::default();
+        let fixed = LATENCY + STOP_WORK;
+        // 1.25 GB/s, 1000 bytes per page: 2000 pages take 1.6 ms to send.
+        policy.observe(&iteration(0, 100_000, 409_600_000, 327.68), &options);
+        policy.observe(&iteration(1, 100, 100_000, 5.0), &options);
+        let close = |a: Duration, b: Duration| a.abs_diff(b) < Duration::from_micros(10);
+        assert!(close(policy.expected(2000, 1.25e9), fixed + Duration::from_micros(1600)));
+        // An iteration of 2000 dirty pages of which 100 changed, with 6 ms
+        // of work: 2000 pages take 6 ms of work, more than the wire's 0.08.
+        let compared = IterationStats { dirty_pages: 2000, work_ms: 6.0, ..iteration(2, 100, 100_000, 7.0) };
+        policy.observe(&compared, &options);
+        assert!(close(policy.expected(2000, 1.25e9), fixed + Duration::from_millis(6)));
+        // A few scattered pages say nothing about the work per page.
+        policy.observe(&IterationStats { dirty_pages: 10, work_ms: 1.0, ..iteration(3, 10, 10_000, 1.5) }, &options);
+        assert!(close(policy.expected(2000, 1.25e9), fixed + Duration::from_millis(6)));
+        // Hashing them comes on top.
+        policy.hash_per_page = Duration::from_micros(1);
+        assert!(close(policy.expected(2000, 1.25e9), fixed + Duration::from_millis(8)));
     }
 
     #[test]
