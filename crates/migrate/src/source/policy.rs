@@ -22,7 +22,8 @@ use super::encode::SUBPAGES_PAY;
 pub struct PrecopyPolicy {
     /// Measured link bandwidth, bytes per second (capped by the option).
     bandwidth: f64,
-    /// Bytes on the wire per dirty page, from the iterations after the first.
+    /// Bytes on the wire per page sent, from the iterations after the
+    /// first: what each page the guest dirties costs the link.
     bytes_per_page: f64,
     /// Bytes on the wire per dirty page, from the same iterations: what a
     /// stop sends (with sub-pages a dirty page whose pieces did not change
