@@ -11,7 +11,7 @@ use vm_memory::bitmap::AtomicBitmap;
 use xxhash_rust::xxh3::xxh3_128;
 
 use super::vm::SourceVm;
-use crate::digest::FarPageHashes;
+use crate::digest::{page_hash, FarPageHashes};
 
 /// Reads dirty pages into batches.
 pub struct Fetcher {
@@ -37,6 +37,10 @@ pub struct Fetcher {
     picked: Vec<(u64, bool)>,
     /// Scratch for far pages' comparisons.
     scratch: Box<[u8; PAGE_SIZE]>,
+    /// When set, the digest's hash of each page read, `(page, hash)`: in
+    /// the stop, where the guest is paused and the digest would otherwise
+    /// read every page again after it went out.
+    pub hashes: Option<Vec<(u64, u64)>>,
 }
 
 /// Far memory as the fetcher sees it. A page of the map is not sent while
@@ -133,6 +137,7 @@ impl Fetcher {
             held_nonzero,
             picked: Vec::with_capacity(batch_pages),
             scratch: Box::new([0; PAGE_SIZE]),
+            hashes: None,
         }
     }
 
@@ -186,7 +191,11 @@ impl Fetcher {
         batch.by_reference = self.by_reference;
         for &(index, backed) in &self.picked {
             if backed && !batch.by_reference {
-                memory::read_page(vm.memory(), index, batch.next_slot())?;
+                let slot = batch.next_slot();
+                memory::read_page(vm.memory(), index, slot)?;
+                if let Some(hashes) = &mut self.hashes {
+                    hashes.push((index, page_hash(slot)));
+                }
             }
             batch.push(index, backed);
         }

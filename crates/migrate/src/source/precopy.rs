@@ -73,7 +73,7 @@ impl SourceRun<'_> {
             // (With auto-converge the throttle gets its chance first.)
             let watch = (iteration == 0 && self.options.postcopy == PostcopyMode::Auto && !self.options.auto_converge)
                 .then(|| HandoverWatch::new(self.options.downtime_limit));
-            let Sent { it, unsent, zeros } = self.send_dirty(&bitmap, iteration, watch)?;
+            let Sent { it, unsent, zeros, .. } = self.send_dirty(&bitmap, iteration, watch, false)?;
             if let Some((unsent, why)) = unsent {
                 self.chose_postcopy(why);
                 // Post-copy's senders hash the pages left (the digest would
@@ -230,12 +230,14 @@ impl SourceRun<'_> {
     /// Sends every page whose bit is set, clearing each batch's bits in KVM
     /// right before reading it. With a `watch` it visits memory in a
     /// strided order and stops early when the watch says hand over; then
-    /// it also returns the pages it did not send.
+    /// it also returns the pages it did not send. With `hash_pages` it
+    /// returns the digest's hash of each page it read (for a paused guest).
     pub(super) fn send_dirty(
         &mut self,
         bitmap: &DirtyBitmap,
         iteration: u32,
         mut watch: Option<HandoverWatch>,
+        hash_pages: bool,
     ) -> Result<Sent, SourceError> {
         let vm = self.vm;
         let started = Instant::now();
@@ -249,6 +251,7 @@ impl SourceRun<'_> {
         let mut fetcher =
             Fetcher::new(layout.batch_pages as usize, held, self.options.codecs.zero, self.options.zero_copy);
         fetcher.far = self.far_filter.clone();
+        fetcher.hashes = hash_pages.then(Vec::new);
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
         let order: Vec<usize> =
@@ -351,7 +354,7 @@ impl SourceRun<'_> {
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
-        Ok(Sent { it, unsent, zeros: fetcher.zeros })
+        Ok(Sent { it, unsent, zeros: fetcher.zeros, hashes: fetcher.hashes.unwrap_or_default() })
     }
 }
 
@@ -363,4 +366,6 @@ pub(super) struct Sent {
     pub unsent: Option<(DirtyBitmap, String)>,
     /// The pages it found all zeros (for the digest).
     pub zeros: DirtyBitmap,
+    /// With `hash_pages`: each page read and its hash (for the digest).
+    pub hashes: Vec<(u64, u64)>,
 }
