@@ -64,9 +64,9 @@ impl SourceRun<'_> {
         self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
         // Only the last pages (and what the hasher has not reached) need
-        // hashing now.
-        // (Those read are not marked: a mark would start the digest
-        // thread reading them before their hashes reached it.)
+        // hashing now. Those the fetch read come with their hashes and are
+        // not marked: a mark would start the digest thread reading them
+        // before their hashes reached it.
         let mut unread = pending.clone();
         sent.hashes.iter().for_each(|&(page, _)| unread.unset(page));
         self.refresh_digest(&unread, Some(sent.zeros));
