@@ -20,9 +20,11 @@ pub struct BackgroundDigest {
     /// twice before its hash counts twice).
     backlog: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// The CPU time of hashing on one thread while the migration ran,
-    /// and the pages it read then (not those of the first pass over all
-    /// memory, mostly pages never populated): what each page of a stop
-    /// costs (wall time ran 2x that with the guest running beside it).
+    /// and the pages it read then: what each page of a stop costs (wall
+    /// time ran 2x that with the guest running beside it). Not from the
+    /// first pass over all memory (mostly pages never populated), nor
+    /// from refreshes of fewer than [`HASH_SAMPLE`] pages, whose fixed
+    /// costs made a page look like 300 µs.
     hashing: Arc<HashingCost>,
 }
 
@@ -31,6 +33,9 @@ struct HashingCost {
     nanos: std::sync::atomic::AtomicU64,
     pages: std::sync::atomic::AtomicU64,
 }
+
+/// Pages a background refresh must read for its cost to count.
+const HASH_SAMPLE: usize = 64;
 
 enum Request {
     /// Pages to hash again, and pages known to be zeros.
@@ -120,7 +125,7 @@ impl BackgroundDigest {
                     let whole = std::mem::take(&mut whole_pass);
                     let cpu = thread_cpu_seconds();
                     let hashed = digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
-                    if waiting.is_empty() && hashed > 0 && !whole {
+                    if waiting.is_empty() && hashed >= HASH_SAMPLE && !whole {
                         let nanos = ((thread_cpu_seconds() - cpu) * 1e9) as u64;
                         thread_hashing.nanos.fetch_add(nanos, Ordering::Relaxed);
                         thread_hashing.pages.fetch_add(hashed as u64, Ordering::Relaxed);

@@ -36,8 +36,9 @@ pub struct PrecopyPolicy {
     /// The busiest page stage's time per dirty page (fetching, comparing,
     /// encoding), from the last iteration with enough pages to tell.
     work_per_page: Duration,
-    /// Hashing a page for the digest (the source's; the destination's
-    /// hashes the same pages meanwhile).
+    /// Hashing a page for the digest, as the source's digest thread
+    /// measured it: in the stop the destination hashes the last pages
+    /// once they landed (the source's fetch hashes them as it reads them).
     pub hash_per_page: Duration,
 }
 
