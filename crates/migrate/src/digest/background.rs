@@ -24,7 +24,7 @@ pub struct BackgroundDigest {
     /// time ran 2x that with the guest running beside it). Not from the
     /// first pass over all memory (mostly pages never populated), nor
     /// from refreshes of fewer than [`HASH_SAMPLE`] pages, whose fixed
-    /// costs made a page look like 300 µs.
+    /// costs made a page look like ~300 µs.
     hashing: Arc<HashingCost>,
 }
 
@@ -183,8 +183,8 @@ impl BackgroundDigest {
         self.backlog.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// What hashing a page has cost on one thread so far (None before
-    /// any was hashed in the background).
+    /// What hashing a page has cost on one thread so far (None before a
+    /// refresh large enough to tell was timed).
     pub fn hash_cost_per_page(&self) -> Option<std::time::Duration> {
         use std::sync::atomic::Ordering;
         let pages = self.hashing.pages.load(Ordering::Relaxed);
