@@ -140,9 +140,7 @@ impl SourceRun<'_> {
                     self.enter(SourceState::HashingBeforeStop);
                     let _ = self.digest.as_ref().map(|d| d.hashes());
                     self.enter(SourceState::Iterating);
-                    let mut since = vm.dirty_bitmap();
-                    vm.dirty_log(&mut since)?;
-                    bitmap.union_with(&since);
+                    vm.add_dirty_log(&mut bitmap)?;
                     continue;
                 }
                 Decision::Stop(reason) if reason.converged() => {
@@ -155,9 +153,7 @@ impl SourceRun<'_> {
                     // joins the stop, and the expected downtime counts it
                     // (a kv guest at 10 Gbit/s dirtied 1584 pages in those
                     // few milliseconds, after a look that left almost none).
-                    let mut since = vm.dirty_bitmap();
-                    vm.dirty_log(&mut since)?;
-                    bitmap.union_with(&since);
+                    vm.add_dirty_log(&mut bitmap)?;
                     let now = bitmap.count();
                     self.stats.expected_downtime_ms = ms(self.policy.expected(now, bw));
                     if last_looks < LAST_LOOKS && self.policy.grew_too_much(remaining, now, bw, self.options) {

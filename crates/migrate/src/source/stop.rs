@@ -48,9 +48,7 @@ impl SourceRun<'_> {
         // With manual protect KVM's bits stay set until cleared, so the new
         // log is a superset of them; the VMM's own writes were taken with
         // the last log and are only in `pending`: keep both.
-        let mut fresh = vm.dirty_bitmap();
-        vm.dirty_log(&mut fresh)?;
-        pending.union_with(&fresh);
+        vm.add_dirty_log(&mut pending)?;
         let iteration = self.stats.iterations;
         // The fetch hashes what it reads (the guest is paused): the digest
         // then reads none of the last pages again (a bwmem guest's 3000

@@ -26,6 +26,14 @@ pub trait SourceVm: Sync {
     /// Fills `bitmap` with the dirty set (KVM's log and the VMM's own
     /// writes).
     fn dirty_log(&self, bitmap: &mut DirtyBitmap) -> Result<(), VmError>;
+    /// Adds the dirty set, taken as [`SourceVm::dirty_log`] takes it, to
+    /// `into`.
+    fn add_dirty_log(&self, into: &mut DirtyBitmap) -> Result<(), VmError> {
+        let mut fresh = self.dirty_bitmap();
+        self.dirty_log(&mut fresh)?;
+        into.union_with(&fresh);
+        Ok(())
+    }
     /// Looks at the dirty log without taking anything (false when this
     /// source cannot).
     fn peek_dirty_log(&self, _bitmap: &mut DirtyBitmap) -> Result<bool, VmError> {
