@@ -6,7 +6,7 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use tsubame_codec::{CodecList, PageDecoder};
@@ -22,7 +22,7 @@ use super::options::ReceiveOptions;
 use super::postcopy::{self, write_flushed, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
 use crate::buffer_budget::BufferBudget;
-use crate::digest::{BackgroundDigest, FarPageHashes};
+use crate::digest::{BackgroundDigest, FarPageHashes, WrittenPages};
 use crate::protocol::far::{FarMemory, FarPages};
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
@@ -106,9 +106,6 @@ impl Drop for Leftovers {
         }
     }
 }
-
-/// How often the pages written since are handed to the background digest.
-const MARK_EVERY: Duration = Duration::from_millis(100);
 
 impl<'a> StreamReceiver<'a> {
     pub(super) fn new(options: &'a ReceiveOptions, log: &'a dyn Fn(&str)) -> Self {
@@ -481,7 +478,7 @@ impl<'a> StreamReceiver<'a> {
         let Session { mem, shared, main, .. } = session;
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
-        let mut marked = Instant::now();
+        let mut written = WrittenPages::new();
         // A DIGEST sent before the pause: after it only the regions that
         // changed come (DIGEST_UPDATE).
         let regions = memory::size(mem).div_ceil(digest.region() as u64) as usize;
@@ -490,15 +487,12 @@ impl<'a> StreamReceiver<'a> {
             // Hand what landed to the digest as it lands, not only at an
             // iteration's end: a switch to post-copy (or the end) then
             // waits only for the last moments' pages to be hashed.
-            if marked.elapsed() >= MARK_EVERY {
-                digest.mark(memory::take_vmm_dirty(mem));
-                marked = Instant::now();
-            }
+            written.mark_if_due(digest, mem);
             match self.next(reader).map_err(with_failure)? {
                 FrameKind::IterationEnd => {
                     last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);
                     self.iterations += 1;
-                    digest.mark(memory::take_vmm_dirty(mem));
+                    written.mark(digest, mem);
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
                 FrameKind::Digest => {
@@ -527,7 +521,7 @@ impl<'a> StreamReceiver<'a> {
                         // Every channel's pages of it are applied first.
                         shared.wait_applied(last)?;
                     }
-                    digest.mark(memory::take_vmm_dirty(mem));
+                    written.mark(digest, mem);
                     return Ok(MemoryEnd::Postcopy(start, kind == FrameKind::Postcopy));
                 }
                 kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
@@ -540,7 +534,7 @@ impl<'a> StreamReceiver<'a> {
         // Every channel's last pages are applied before memory is hashed;
         // most of it was hashed already as it landed.
         shared.wait_applied(final_iteration)?;
-        digest.mark(memory::take_vmm_dirty(mem));
+        written.mark(digest, mem);
         let mut ours = digest.hashes();
         let mut theirs = match self.next(reader)? {
             FrameKind::DigestUpdate => {
@@ -579,7 +573,7 @@ impl<'a> StreamReceiver<'a> {
                 }
             }
             shared.wait_applied(repair_iteration)?;
-            digest.mark(memory::take_vmm_dirty(mem));
+            written.mark(digest, mem);
             ours = digest.hashes();
             theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
         }

@@ -1,6 +1,7 @@
 //! The digest kept in a thread of its own while a migration runs.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
@@ -115,8 +116,11 @@ impl BackgroundDigest {
                     if waiting.iter().any(|r| matches!(r, Request::Stop)) {
                         break;
                     }
-                    // Whoever waits gets every page, those still awaited too.
-                    if !waiting.is_empty() {
+                    // Whoever waits gets every page, those still awaited
+                    // too. (Only a source awaits: on a destination the pass
+                    // over the empty bitmap and its first clear took 0.12
+                    // ms of the stop.)
+                    if !waiting.is_empty() && !awaited.is_empty() {
                         digest.mark(&awaited);
                         awaited.clear();
                     }
@@ -210,6 +214,50 @@ impl BackgroundDigest {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.requests.send(Request::PageHashes(tx)).expect("digest thread runs");
         rx.recv().expect("digest thread answers")
+    }
+}
+
+/// Hands the pages the VMM wrote (a destination's landed pages) to a
+/// [`BackgroundDigest`] while they land, as often as pays. What is still
+/// unhashed when STATE comes is hashed inside the stop: with a fixed
+/// 100 ms, 1900-5300 of gmigrate-best's pages were, 1.4-1.9 ms of it.
+/// Taking the marks costs a pass over the whole bitmap (50-200 µs for
+/// 4 GiB), so the pace follows that cost: every [`MARK_COST_SHARE`] times
+/// it, within [`MARK_EVERY_MIN`] and [`MARK_EVERY_MAX`].
+pub struct WrittenPages {
+    due: Instant,
+}
+
+/// Taking the marks spends at most this share of the time between takes.
+const MARK_COST_SHARE: u32 = 50;
+const MARK_EVERY_MIN: Duration = Duration::from_millis(5);
+const MARK_EVERY_MAX: Duration = Duration::from_millis(100);
+
+impl WrittenPages {
+    /// Due at once.
+    pub fn new() -> WrittenPages {
+        WrittenPages { due: Instant::now() }
+    }
+
+    /// Hands over the pages written since the last take, if it is time.
+    pub fn mark_if_due(&mut self, digest: &BackgroundDigest, mem: &GuestMemory) {
+        if Instant::now() >= self.due {
+            self.mark(digest, mem);
+        }
+    }
+
+    /// Hands over the pages written since the last take.
+    pub fn mark(&mut self, digest: &BackgroundDigest, mem: &GuestMemory) {
+        let start = Instant::now();
+        digest.mark(memory::take_vmm_dirty(mem));
+        let every = (start.elapsed() * MARK_COST_SHARE).clamp(MARK_EVERY_MIN, MARK_EVERY_MAX);
+        self.due = start + every;
+    }
+}
+
+impl Default for WrittenPages {
+    fn default() -> Self {
+        WrittenPages::new()
     }
 }
 
