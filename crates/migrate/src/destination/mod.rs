@@ -33,7 +33,7 @@ use self::dispatch::{ChannelSource, Counted};
 use self::landing::VmLanding;
 use self::postcopy::BackChannel;
 use self::receiver::StreamReceiver;
-use crate::protocol::{self, ErrorMessage, FrameKind, Resumed};
+use crate::protocol::{self, ErrorMessage, FrameKind};
 use crate::stats::process_cpu_seconds;
 use crate::transport::{Listener, Stream};
 
@@ -123,11 +123,6 @@ pub fn receive_into(
     match result {
         Ok(outcome) => {
             let cpu = process_cpu_seconds() - cpu_start;
-            if outcome.postcopy.is_none() {
-                // Tell the source we run, and what it cost us.
-                let resumed = Resumed { cpu_micros: (cpu * 1e6) as u64 };
-                let _ = protocol::write_frame(&mut *w, FrameKind::Resumed, &resumed.encode()).and_then(|_| w.flush());
-            }
             drop(outcome.leftovers);
             Ok(Received {
                 iterations: outcome.iterations,
