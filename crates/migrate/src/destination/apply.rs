@@ -14,13 +14,12 @@ use vm_memory::bitmap::AtomicBitmap;
 use super::dispatch::{ShardWork, Shared};
 use super::error::ReceiveError;
 use crate::buffer_budget::recycle;
+use crate::digest::{page_hash, zero_page_hash, DigestFeed};
 use crate::protocol::pages::{for_each_record, for_each_subpage, shard_of, CompressedHeader, Encoding, MAX_UNPACKED};
 use crate::protocol::{FrameKind, WireError};
 
 /// Pages ever written by an arriving migration: a zero record for an
-/// untouched page writes nothing, so fresh memory stays unbacked. (Pages
-/// written since the digest last hashed them are marked by guest memory
-/// itself: [`memory::take_vmm_dirty`].)
+/// untouched page writes nothing, so fresh memory stays unbacked.
 pub(super) struct PageMarks {
     touched: AtomicBitmap,
 }
@@ -54,15 +53,18 @@ fn unpack(frame: &[u8], decompressor: &mut BatchDecompressor, out: &mut Vec<u8>)
     Ok(())
 }
 
-/// Writes the records of a PAGES frame into guest memory (whose bitmap
-/// marks them for the digest). Codec records are decoded, and the codecs'
-/// caches see every page as the sender's did.
+/// Writes the records of a PAGES frame into guest memory and adds the
+/// digest's hash of each page written to `hashes` (hashed here, in cache,
+/// rather than read again by the digest: a digest thread left behind had
+/// up to 5300 pages to hash inside the stop). Codec records are decoded,
+/// and the codecs' caches see every page as the sender's did.
 fn apply_pages(
     frame: &[u8],
     mem: &GuestMemory,
     granularity: usize,
     marks: &PageMarks,
     decoder: &mut PageDecoder,
+    hashes: &mut Vec<(u64, u64)>,
 ) -> Result<(), ReceiveError> {
     let page_count = memory::page_count(mem);
     let zero_page = [0u8; PAGE_SIZE];
@@ -75,11 +77,14 @@ fn apply_pages(
                 marks.touch(index);
                 page.copy_from_slice(record.data);
                 decoder.observe(index, &page);
+                hashes.push((index, page_hash(&page)));
                 memory::write(mem, addr, record.data)
             }
             Encoding::Zero => {
                 decoder.observe_zero(index);
+                // An untouched page is zeros already, as the digest has it.
                 if marks.touched(index) {
+                    hashes.push((index, zero_page_hash()));
                     memory::write(mem, addr, &zero_page)
                 } else {
                     Ok(())
@@ -93,12 +98,15 @@ fn apply_pages(
                         result = memory::write(mem, addr + offset as u64, bytes);
                     }
                 });
-                // XBZRLE codes the pages sent whole against what was last
-                // sent of them: the cache mirrors the source's, which
-                // takes in the page as sub-pages left it.
-                if result.is_ok() && decoder.keeps_pages() {
+                // The page as the pieces left it: its hash, and for XBZRLE,
+                // which codes pages sent whole against what was last sent
+                // of them, the cache's copy (it mirrors the source's).
+                if result.is_ok() {
                     result = memory::read_page(mem, index, &mut page);
-                    decoder.observe(index, &page);
+                    hashes.push((index, page_hash(&page)));
+                    if decoder.keeps_pages() {
+                        decoder.observe(index, &page);
+                    }
                 }
                 result
             }
@@ -108,6 +116,7 @@ fn apply_pages(
                 if let Err(e) = decoder.decode(index, tag, record.data, &mut page) {
                     return Err(WireError::BadField { field: "pages.codec_record", detail: e.to_string() });
                 }
+                hashes.push((index, page_hash(&page)));
                 memory::write(mem, addr, &page)
             }
             Encoding::RawRun => {
@@ -125,6 +134,8 @@ pub(super) struct ShardWorker {
     pub(super) mem: Arc<GuestMemory>,
     pub(super) granularity: usize,
     pub(super) marks: Arc<PageMarks>,
+    /// Where the hashes of the pages written go.
+    pub(super) digest: DigestFeed,
     pub(super) decoder: PageDecoder,
     pub(super) shared: Arc<Shared>,
 }
@@ -133,16 +144,21 @@ impl ShardWorker {
     pub(super) fn run(mut self, input: Receiver<ShardWork>) {
         let mut decompressor = BatchDecompressor::default();
         let mut unpacked = Vec::new();
+        let mut hashes = Vec::new();
         while let Ok(work) = input.recv() {
             let result = match work {
                 ShardWork::Frame { kind, mut payload, pool, lease } => {
-                    let r = if kind == FrameKind::PagesCompressed {
-                        unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| {
-                            apply_pages(&unpacked, &self.mem, self.granularity, &self.marks, &mut self.decoder)
-                        })
-                    } else {
-                        apply_pages(&payload, &self.mem, self.granularity, &self.marks, &mut self.decoder)
+                    let mut apply = |frame: &[u8]| {
+                        apply_pages(frame, &self.mem, self.granularity, &self.marks, &mut self.decoder, &mut hashes)
                     };
+                    let r = if kind == FrameKind::PagesCompressed {
+                        unpack(&payload, &mut decompressor, &mut unpacked).and_then(|_| apply(&unpacked))
+                    } else {
+                        apply(&payload)
+                    };
+                    // Before the iteration's end is told (below): a wait
+                    // for it then finds the hashes handed over.
+                    self.digest.known(std::mem::take(&mut hashes));
                     recycle(&mut payload);
                     recycle(&mut unpacked);
                     let _ = pool.send(payload);

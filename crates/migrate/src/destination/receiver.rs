@@ -22,7 +22,7 @@ use super::options::ReceiveOptions;
 use super::postcopy::{self, write_flushed, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
 use crate::buffer_budget::BufferBudget;
-use crate::digest::{BackgroundDigest, FarPageHashes, WrittenPages};
+use crate::digest::{BackgroundDigest, FarPageHashes};
 use crate::protocol::far::{FarMemory, FarPages};
 use crate::protocol::messages::expect_empty;
 use crate::protocol::{
@@ -61,6 +61,9 @@ struct Session {
     urgent: Option<Stream>,
     /// Far memory's pages, for the digest.
     far: Option<Arc<FarPageHashes>>,
+    /// The memory's digest, which the decoders hand the hash of each page
+    /// they write: after STATE nothing is left to hash before READY.
+    digest: BackgroundDigest,
 }
 
 /// How pre-copy's memory phase ended.
@@ -156,17 +159,10 @@ impl<'a> StreamReceiver<'a> {
         self.opens_storage = landing.opens_storage();
         let session = self.accept(&hello, &mut reader, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
-        // Hashed in the background as pages land, so that after STATE only
-        // the last pages need hashing before READY.
-        let digest = match &session.far {
-            Some(far) => BackgroundDigest::start(session.mem.clone(), hello.digest_region, Some(far.clone())),
-            // Memory just mapped: the digest follows what lands.
-            None => BackgroundDigest::start_fresh(session.mem.clone(), hello.digest_region),
-        };
-        let result = self.receive_memory(&mut reader, writer, &session, &digest);
+        let result = self.receive_memory(&mut reader, writer, &session);
         // Post-copy starts from the hash of every page held now.
-        let held = matches!(result, Ok(MemoryEnd::Postcopy(..))).then(|| digest.page_hashes());
-        let Session { mem, shared, main, readers, workers, urgent, far } = session;
+        let held = matches!(result, Ok(MemoryEnd::Postcopy(..))).then(|| session.digest.page_hashes());
+        let Session { mem, shared, main, readers, workers, urgent, far, digest } = session;
         shared.done.store(true, Ordering::Release);
         let end = match result {
             Ok(end) => end,
@@ -359,6 +355,11 @@ impl<'a> StreamReceiver<'a> {
         } else {
             None
         };
+        let digest = match &far {
+            Some(far) => BackgroundDigest::start(mem.clone(), hello.digest_region, Some(far.clone())),
+            // Memory just mapped: the digest follows what lands.
+            None => BackgroundDigest::start_fresh(mem.clone(), hello.digest_region),
+        };
         (self.log)(&format!(
             "receiving a VM with {} MiB of memory over {} channel(s)",
             hello.memory_bytes >> 20,
@@ -401,6 +402,7 @@ impl<'a> StreamReceiver<'a> {
                 mem: mem.clone(),
                 granularity: hello.granularity as usize,
                 marks: marks.clone(),
+                digest: digest.feed(),
                 decoder: PageDecoder::new(&shard_list),
                 shared: shared.clone(),
             };
@@ -432,7 +434,7 @@ impl<'a> StreamReceiver<'a> {
             );
         }
         let main = dispatcher(0);
-        Ok(Session { mem, shared, main, readers, workers, urgent, far })
+        Ok(Session { mem, shared, main, readers, workers, urgent, far, digest })
     }
 
     /// FAR_MEMORY and its FAR_PAGES, on channel 0 before any page.
@@ -489,26 +491,19 @@ impl<'a> StreamReceiver<'a> {
         reader: &mut impl Read,
         writer: &BackChannel,
         session: &Session,
-        digest: &BackgroundDigest,
     ) -> Result<MemoryEnd, ReceiveError> {
-        let Session { mem, shared, main, .. } = session;
+        let Session { mem, shared, main, digest, .. } = session;
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
         let mut last_iteration = None;
-        let mut written = WrittenPages::new();
         // A DIGEST sent before the pause: after it only the regions that
         // changed come (DIGEST_UPDATE).
         let regions = memory::size(mem).div_ceil(digest.region() as u64) as usize;
         let mut provisional: Option<Vec<u64>> = None;
         let state: Vec<u8> = loop {
-            // Hand what landed to the digest as it lands, not only at an
-            // iteration's end: a switch to post-copy (or the end) then
-            // waits only for the last moments' pages to be hashed.
-            written.mark_if_due(digest, mem);
             match self.next(reader).map_err(with_failure)? {
                 FrameKind::IterationEnd => {
                     last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);
                     self.iterations += 1;
-                    written.mark(digest, mem);
                 }
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
                 FrameKind::Digest => {
@@ -537,7 +532,6 @@ impl<'a> StreamReceiver<'a> {
                         // Every channel's pages of it are applied first.
                         shared.wait_applied(last)?;
                     }
-                    written.mark(digest, mem);
                     return Ok(MemoryEnd::Postcopy(start, kind == FrameKind::Postcopy));
                 }
                 kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
@@ -547,10 +541,9 @@ impl<'a> StreamReceiver<'a> {
             return Err(WireError::Unexpected { got: FrameKind::State, expected: "ITERATION_END" }.into());
         };
         self.state = ReceiverState::AwaitDigest;
-        // Every channel's last pages are applied before memory is hashed;
-        // most of it was hashed already as it landed.
+        // Every channel's last pages are applied, their hashes handed
+        // over, before the digest is read.
         shared.wait_applied(final_iteration)?;
-        written.mark(digest, mem);
         let mut ours = digest.hashes();
         let mut theirs = match self.next(reader)? {
             FrameKind::DigestUpdate => {
@@ -589,7 +582,6 @@ impl<'a> StreamReceiver<'a> {
                 }
             }
             shared.wait_applied(repair_iteration)?;
-            written.mark(digest, mem);
             ours = digest.hashes();
             theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
         }

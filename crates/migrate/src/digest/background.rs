@@ -1,7 +1,6 @@
 //! The digest kept in a thread of its own while a migration runs.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
@@ -11,8 +10,9 @@ use crate::stats::thread_cpu_seconds;
 /// An [`IncrementalDigest`] in a thread of its own: pages handed to
 /// [`BackgroundDigest::mark`] are hashed while migration goes on, and
 /// [`BackgroundDigest::hashes`] waits only for what is still marked. Hand
-/// over a page only after it was written (destination) or read for
-/// sending (source): a later change marks it again.
+/// over a page only after it was read for sending (source): a later change
+/// marks it again. A writer that hashes what it writes (a destination's
+/// decoders) hands the hashes over instead ([`BackgroundDigest::feed`]).
 pub struct BackgroundDigest {
     region: u32,
     requests: crossbeam_channel::Sender<Request>,
@@ -61,7 +61,8 @@ impl BackgroundDigest {
     }
 
     /// Starts the thread for memory just mapped, whose every write is
-    /// marked (a destination's): all zeros, nothing to hash until marked.
+    /// marked or its hash handed over (a destination's): all zeros,
+    /// nothing to hash until then.
     /// (Hashing 4 GiB of it page by page took 27-60 ms, longer than an
     /// idle VM's whole pre-copy.)
     pub fn start_fresh(mem: Arc<GuestMemory>, region: u32) -> BackgroundDigest {
@@ -177,7 +178,9 @@ impl BackgroundDigest {
         let _ = self.requests.send(Request::Await(pages));
     }
 
-    /// A handle that hands pages' hashes over from another thread.
+    /// A handle that hands pages' hashes over from another thread: hashes
+    /// of pages read after their dirty bit was cleared, or written and
+    /// then hashed by their only writer.
     pub fn feed(&self) -> DigestFeed {
         DigestFeed { requests: self.requests.clone() }
     }
@@ -214,50 +217,6 @@ impl BackgroundDigest {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.requests.send(Request::PageHashes(tx)).expect("digest thread runs");
         rx.recv().expect("digest thread answers")
-    }
-}
-
-/// Hands the pages the VMM wrote (a destination's landed pages) to a
-/// [`BackgroundDigest`] while they land, as often as pays. What is still
-/// unhashed when STATE comes is hashed inside the stop: with a fixed
-/// 100 ms, 1900-5300 of gmigrate-best's pages were, 1.4-1.9 ms of it.
-/// Taking the marks costs a pass over the whole bitmap (50-200 µs for
-/// 4 GiB), so the pace follows that cost: every [`MARK_COST_SHARE`] times
-/// it, within [`MARK_EVERY_MIN`] and [`MARK_EVERY_MAX`].
-pub struct WrittenPages {
-    due: Instant,
-}
-
-/// Taking the marks spends at most this share of the time between takes.
-const MARK_COST_SHARE: u32 = 50;
-const MARK_EVERY_MIN: Duration = Duration::from_millis(5);
-const MARK_EVERY_MAX: Duration = Duration::from_millis(100);
-
-impl WrittenPages {
-    /// Due at once.
-    pub fn new() -> WrittenPages {
-        WrittenPages { due: Instant::now() }
-    }
-
-    /// Hands over the pages written since the last take, if it is time.
-    pub fn mark_if_due(&mut self, digest: &BackgroundDigest, mem: &GuestMemory) {
-        if Instant::now() >= self.due {
-            self.mark(digest, mem);
-        }
-    }
-
-    /// Hands over the pages written since the last take.
-    pub fn mark(&mut self, digest: &BackgroundDigest, mem: &GuestMemory) {
-        let start = Instant::now();
-        digest.mark(memory::take_vmm_dirty(mem));
-        let every = (start.elapsed() * MARK_COST_SHARE).clamp(MARK_EVERY_MIN, MARK_EVERY_MAX);
-        self.due = start + every;
-    }
-}
-
-impl Default for WrittenPages {
-    fn default() -> Self {
-        WrittenPages::new()
     }
 }
 

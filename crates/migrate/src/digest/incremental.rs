@@ -149,7 +149,9 @@ impl IncrementalDigest {
         let stale = std::mem::take(&mut self.stale_count);
         let threads = if stale * PAGE_SIZE < MIN_BYTES_PER_THREAD { 1 } else { threads.clamp(1, count.max(1)) };
         let mut stale_list = std::mem::take(&mut self.stale_list);
-        let pagemap = memory::Pagemap::open().ok();
+        // Regions stale only for hashes handed over read nothing (a
+        // destination's, many times a second).
+        let pagemap = if stale > 0 { memory::Pagemap::open().ok() } else { None };
         let slice = |first_page: u64, regions, stale_regions, pages, stale_pages| Slice {
             far: self.far.as_deref(),
             first_page,

@@ -4,7 +4,7 @@
 mod background;
 mod incremental;
 
-pub use background::{BackgroundDigest, DigestFeed, WrittenPages};
+pub use background::{BackgroundDigest, DigestFeed};
 pub use incremental::{
     far_copy_hash, memory_digest, page_hash, region_hashes, zero_page_hash, FarPageHashes, IncrementalDigest,
     DEFAULT_REGION,
