@@ -42,8 +42,8 @@ pub struct PrecopyPolicy {
     /// The last such iteration's time per dirty page.
     work_sample: Option<Duration>,
     /// Hashing a page for the digest, as the source's digest thread
-    /// measured it: in the stop the destination hashes the last pages
-    /// once they landed (the source's fetch hashes them as it reads them).
+    /// measured it: in the stop the source's fetch hashes each last page
+    /// as it reads it, and the destination's decoders as they write it.
     pub hash_per_page: Duration,
 }
 
