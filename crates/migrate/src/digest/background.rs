@@ -5,7 +5,6 @@ use std::sync::Arc;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
 use super::incremental::{FarPageHashes, IncrementalDigest};
-use crate::stats::thread_cpu_seconds;
 
 /// An [`IncrementalDigest`] in a thread of its own: pages handed to
 /// [`BackgroundDigest::mark`] are hashed while migration goes on, and
@@ -20,23 +19,7 @@ pub struct BackgroundDigest {
     /// Pages handed over and not hashed yet (an upper bound: a page marked
     /// twice before its hash counts twice).
     backlog: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// The CPU time of hashing on one thread while the migration ran,
-    /// and the pages it read then: what each page of a stop costs (wall
-    /// time ran 2x that with the guest running beside it). Not from the
-    /// first pass over all memory (mostly pages never populated), nor
-    /// from refreshes of fewer than [`HASH_SAMPLE`] pages, whose fixed
-    /// costs made a page look like ~300 µs.
-    hashing: Arc<HashingCost>,
 }
-
-#[derive(Default)]
-struct HashingCost {
-    nanos: std::sync::atomic::AtomicU64,
-    pages: std::sync::atomic::AtomicU64,
-}
-
-/// Pages a background refresh must read for its cost to count.
-const HASH_SAMPLE: usize = 64;
 
 enum Request {
     /// Pages to hash again, and pages known to be zeros.
@@ -77,8 +60,6 @@ impl BackgroundDigest {
         let stale = if from.is_some() { memory::page_count(&mem) } else { 0 };
         let backlog = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(stale));
         let thread_backlog = backlog.clone();
-        let hashing = Arc::new(HashingCost::default());
-        let thread_hashing = hashing.clone();
         let thread = std::thread::Builder::new()
             .name("digest".into())
             .spawn(move || {
@@ -88,8 +69,6 @@ impl BackgroundDigest {
                 };
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
                 let mut taken = stale;
-                // Whether the next refresh is the first pass over all memory.
-                let mut whole_pass = stale > 0;
                 let mut awaited = DirtyBitmap::new(memory::page_count(&mem));
                 while let Ok(first) = rx.recv() {
                     // Take every request queued so far, then hash once.
@@ -127,14 +106,7 @@ impl BackgroundDigest {
                     }
                     // One thread while the migration runs beside it; every
                     // core when someone waits (the guest is paused then).
-                    let whole = std::mem::take(&mut whole_pass);
-                    let cpu = thread_cpu_seconds();
-                    let hashed = digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
-                    if waiting.is_empty() && hashed >= HASH_SAMPLE && !whole {
-                        let nanos = ((thread_cpu_seconds() - cpu) * 1e9) as u64;
-                        thread_hashing.nanos.fetch_add(nanos, Ordering::Relaxed);
-                        thread_hashing.pages.fetch_add(hashed as u64, Ordering::Relaxed);
-                    }
+                    digest.refresh(&mem, if waiting.is_empty() { 1 } else { cores });
                     thread_backlog.fetch_sub(std::mem::take(&mut taken), Ordering::Relaxed);
                     for request in waiting {
                         match request {
@@ -146,7 +118,7 @@ impl BackgroundDigest {
                 }
             })
             .expect("spawn digest thread");
-        BackgroundDigest { region, requests, thread: Some(thread), backlog, hashing }
+        BackgroundDigest { region, requests, thread: Some(thread), backlog }
     }
 
     /// The region size.
@@ -188,14 +160,6 @@ impl BackgroundDigest {
     /// Pages handed over and not hashed yet (at most).
     pub fn backlog_pages(&self) -> u64 {
         self.backlog.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// What hashing a page has cost on one thread so far (None before a
-    /// refresh large enough to tell was timed).
-    pub fn hash_cost_per_page(&self) -> Option<std::time::Duration> {
-        use std::sync::atomic::Ordering;
-        let pages = self.hashing.pages.load(Ordering::Relaxed);
-        (pages > 0).then(|| std::time::Duration::from_nanos(self.hashing.nanos.load(Ordering::Relaxed) / pages))
     }
 
     /// The digest with every marked page hashed.

@@ -253,7 +253,7 @@ impl Engine {
     }
 
     /// The fetch's busy time so far, and the encoders' per encoder thread:
-    /// the page work an iteration's length follows where the link does not
+    /// what a page's way through the stages costs where the link does not
     /// bound it.
     pub fn page_work(&self) -> (Duration, Duration) {
         let encoders = self.threads.0.max(1) as u64;
@@ -261,6 +261,14 @@ impl Engine {
             Duration::from_nanos(self.live.fetch.load(Ordering::Relaxed)),
             Duration::from_nanos(self.live.encode.load(Ordering::Relaxed) / encoders),
         )
+    }
+
+    /// The senders' busy time so far, per sender thread: writing, and
+    /// waiting for the socket or the pacer to take the bytes. Near an
+    /// iteration's length where the link bounds it; a sender waiting for
+    /// pages is not busy.
+    pub fn send_busy(&self) -> Duration {
+        Duration::from_nanos(self.live.send.load(Ordering::Relaxed) / self.threads.1.max(1) as u64)
     }
 
     /// Each stage's busy share of its threads so far, e.g.

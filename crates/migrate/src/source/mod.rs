@@ -97,7 +97,7 @@ fn migrate_with(
         engine: None,
         bandwidth: Arc::new(AtomicU64::new(0)),
         digest: None,
-        policy: PrecopyPolicy::default(),
+        policy: PrecopyPolicy::for_this_host(),
         urgent: None,
         pacer: None,
         to: to.clone(),

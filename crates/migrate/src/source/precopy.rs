@@ -107,11 +107,8 @@ impl SourceRun<'_> {
             if let Some(rtt) = self.engine().round_trip() {
                 self.policy.round_trip = rtt;
             }
-            if let Some(cost) = self.digest.as_ref().and_then(|d| d.hash_cost_per_page()) {
-                self.policy.hash_per_page = cost;
-            }
             let remaining = bitmap.count();
-            self.stats.expected_downtime_ms = ms(self.policy.expected(remaining, bw));
+            self.stats.expected_downtime_ms = ms(self.policy.expected(remaining, self.options));
             let decision = self.policy.decide(
                 &it,
                 remaining,
@@ -155,8 +152,8 @@ impl SourceRun<'_> {
                     // few milliseconds, after a look that left almost none).
                     vm.add_dirty_log(&mut bitmap)?;
                     let now = bitmap.count();
-                    self.stats.expected_downtime_ms = ms(self.policy.expected(now, bw));
-                    if last_looks < LAST_LOOKS && self.policy.grew_too_much(remaining, now, bw, self.options) {
+                    self.stats.expected_downtime_ms = ms(self.policy.expected(now, self.options));
+                    if last_looks < LAST_LOOKS && self.policy.grew_too_much(remaining, now, self.options) {
                         last_looks += 1;
                         continue;
                     }
@@ -226,19 +223,21 @@ impl SourceRun<'_> {
     /// Sends every page whose bit is set, clearing each batch's bits in KVM
     /// right before reading it. With a `watch` it visits memory in a
     /// strided order and stops early when the watch says hand over; then
-    /// it also returns the pages it did not send. With `hash_pages` it
-    /// returns the digest's hash of each page it read (for a paused guest).
+    /// it also returns the pages it did not send. With `paused` (the stop)
+    /// it returns the digest's hash of each page it read, and clears no
+    /// dirty bits ([`Fetcher::paused`]).
     pub(super) fn send_dirty(
         &mut self,
         bitmap: &DirtyBitmap,
         iteration: u32,
         mut watch: Option<HandoverWatch>,
-        hash_pages: bool,
+        paused: bool,
     ) -> Result<Sent, SourceError> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
         let work_before = self.engine().page_work();
+        let send_before = self.engine().send_busy();
         let dirty_pages = bitmap.count();
         let throttle = self.policy.auto_converge.fraction;
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
@@ -247,7 +246,8 @@ impl SourceRun<'_> {
         let mut fetcher =
             Fetcher::new(layout.batch_pages as usize, held, self.options.codecs.zero, self.options.zero_copy);
         fetcher.far = self.far_filter.clone();
-        fetcher.hashes = hash_pages.then(Vec::new);
+        fetcher.hashes = paused.then(Vec::new);
+        fetcher.paused = paused;
         let mut remaining = dirty_pages;
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
         let order: Vec<usize> =
@@ -346,7 +346,9 @@ impl SourceRun<'_> {
         it.bytes_on_wire = self.engine().bytes() - bytes_before;
         it.duration_ms = ms(started.elapsed());
         let work = self.engine().page_work();
-        it.work_ms = ms((work.0 - work_before.0).max(work.1 - work_before.1));
+        let fetch = (work.0 - work_before.0).saturating_sub(fetcher.bookkeeping);
+        it.work_ms = ms(fetch + (work.1 - work_before.1));
+        it.send_ms = ms(self.engine().send_busy() - send_before);
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
@@ -362,6 +364,6 @@ pub(super) struct Sent {
     pub unsent: Option<(DirtyBitmap, String)>,
     /// The pages it found all zeros (for the digest).
     pub zeros: DirtyBitmap,
-    /// With `hash_pages`: each page read and its hash (for the digest).
+    /// With `paused`: each page read and its hash (for the digest).
     pub hashes: Vec<(u64, u64)>,
 }
