@@ -52,7 +52,8 @@ impl SourceRun<'_> {
         let iteration = self.stats.iterations;
         // The fetch hashes what it reads (the guest is paused): the digest
         // then reads none of the last pages again (a bwmem guest's 3000
-        // took 1.2-2 ms to hash after they went out).
+        // took 1.2-2 ms to hash after they went out), and answers before
+        // the pipeline has drained.
         let sent = self.send_dirty(&pending, iteration, None, true)?;
         self.stats.per_iteration.push(sent.it);
         laps(&mut breakdown.final_pages_ms);
@@ -61,15 +62,7 @@ impl SourceRun<'_> {
         let blob = vm.state_blob()?;
         self.write_control(FrameKind::State, &blob)?;
         laps(&mut breakdown.state_ms);
-        // Only the last pages (and what the hasher has not reached) need
-        // hashing now. Those the fetch read come with their hashes and are
-        // not marked: a mark would start the digest thread reading them
-        // before their hashes reached it.
-        let mut unread = pending.clone();
-        sent.hashes.iter().for_each(|&(page, _)| unread.unset(page));
-        self.refresh_digest(&unread, Some(sent.zeros));
-        self.digest().feed().known(sent.hashes);
-        let hashes = self.digest.as_ref().expect("pre-copy marked memory").hashes();
+        let hashes = sent.digest.expect("a paused send asks for the digest").recv().expect("digest thread answers");
         let region_count = hashes.len();
         let region = self.options.digest_region;
         let whole = || Digest { region, hashes: hashes.clone() }.encode();
