@@ -48,6 +48,8 @@ pub(super) struct StreamReceiver<'a> {
     warm: Option<WarmFill>,
     /// False when the landing never opens storage (disk frames ignored).
     opens_storage: bool,
+    /// Held from the digest before the stop (or STATE) to RESUMED.
+    quick: Option<tsubame_vmm::cpu_time::QuickWakeups>,
 }
 
 /// The threads and tables of a migration being received.
@@ -129,6 +131,7 @@ impl<'a> StreamReceiver<'a> {
             cpu_start: process_cpu_seconds(),
             warm: None,
             opens_storage: true,
+            quick: None,
         }
     }
 
@@ -205,7 +208,7 @@ impl<'a> StreamReceiver<'a> {
                 // The VM runs here now, whether RESUMED arrives or not.
                 let resumed = Resumed { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
                 let _ = write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Resumed, &resumed.encode()));
-                drop(realtime);
+                drop((realtime, self.quick.take()));
                 self.state = ReceiverState::Committed;
                 (self.log)("committed; the VM runs here now");
                 leftovers._buffers = Some((reader, std::mem::take(&mut self.frame.buf)));
@@ -511,6 +514,7 @@ impl<'a> StreamReceiver<'a> {
                 FrameKind::State => break std::mem::take(&mut self.frame.buf),
                 FrameKind::Digest => {
                     provisional = Some(Digest::decode(&self.frame.buf, digest.region(), regions)?.hashes);
+                    self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
                 }
                 FrameKind::WarmBlocks | FrameKind::DiskWritten | FrameKind::WarmData if !self.opens_storage => {}
                 FrameKind::WarmData => {
@@ -544,6 +548,7 @@ impl<'a> StreamReceiver<'a> {
             return Err(WireError::Unexpected { got: FrameKind::State, expected: "ITERATION_END" }.into());
         };
         self.state = ReceiverState::AwaitDigest;
+        self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
         // Every channel's last pages are applied, their hashes handed
         // over, before the digest is read.
         shared.wait_applied(final_iteration)?;

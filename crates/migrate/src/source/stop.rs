@@ -38,6 +38,7 @@ impl SourceRun<'_> {
             lap = now;
         };
         let mut breakdown = DowntimeBreakdown::default();
+        let quick = tsubame_vmm::cpu_time::quick_wakeups();
         // (Not under SCHED_FIFO as the post-copy switch is: the commit's
         // round trip then took up to 3.9 ms instead of 0.2-0.3.)
         vm.pause_for_state()?;
@@ -116,7 +117,7 @@ impl SourceRun<'_> {
         self.stats.downtime_ms = ms(paused.elapsed());
         // Back under the normal scheduler only now: it may give the CPU
         // away at once (0.9 ms once), after the VM already ran there.
-        drop(realtime);
+        drop((realtime, quick));
         self.stats.downtime_breakdown = breakdown;
         if let Ok(resumed) = Resumed::decode(&frame) {
             self.stats.cpu_seconds.destination = resumed.cpu_micros as f64 / 1e6;
