@@ -369,15 +369,18 @@ def fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, log_prefi
     if result.postcopy_start_s is not None and result.postcopy_duration_s:
         # Over the phase's first 90 %: as its last pages arrive a rate-capped guest catches up in
         # a burst (tens of Mops/s for a few ms), which says nothing about the phase and, landing
-        # just inside or outside the window, decided the figure. It starts at the destination's
-        # first progress line, for both VMMs: QEMU's phase is dated when migrate-start-postcopy
-        # was asked, and its guest ran on at the source for 0.2 s more; the ops a guest did at
-        # the source after its last line there come first in the destination's (counted, they
-        # added 2-3 k ops/s to QEMU's 4 GiB fill-random phase, 5-23 k to tsubame's sparse).
+        # just inside or outside the window, decided the figure. The phase starts when the guest
+        # last ran at the source, for both VMMs: QEMU's is dated when migrate-start-postcopy was
+        # asked, and its guest ran on at the source for 0.2 s more. Only the ops printed after
+        # the destination's first line count: that line carries what the guest did at the
+        # source after its last line there (counted, they added 2-3 k ops/s to QEMU's 4 GiB
+        # fill-random phase, 5-23 k to tsubame's sparse).
         begin = t_start + result.postcopy_start_s
         end = begin + result.postcopy_duration_s
-        begin = min(max([begin] + [t for t in (t_src_last, t_dst_first) if t is not None]), end)
-        result.ops_per_sec_postcopy = ops_done_rate(src, dst, begin, begin + 0.9 * (end - begin))
+        if t_src_last is not None:
+            begin = min(max(begin, t_src_last), end)
+        result.ops_per_sec_postcopy = ops_done_rate(src, dst, begin, begin + 0.9 * (end - begin),
+                                                    counted_from=t_dst_first)
     result.destination_progress_lines = len(dst)
     result.migration_end_s = round(t_end - t_start, 4)
     result.timeline = {

@@ -65,3 +65,8 @@ def test_ops_done_rate_counts_a_silent_guest_as_stalled():
     # nothing printed between: no progress
     assert ops_done_rate(src, dst, 1.5, 2.5) == 0
     assert ops_done_rate([], [], 0.0, 1.0) is None
+    # the destination's first line (260 at t=3) carries what the source did after its last
+    # line: counted from it, 140 ops over the 2.5 s window from t=1
+    assert ops_done_rate(src, dst, 1.0, 3.5, counted_from=3.0) == 56
+    # a destination that first printed after the window made no progress in it
+    assert ops_done_rate(src, dst, 1.0, 2.5, counted_from=3.0) == 0

@@ -47,14 +47,17 @@ def ops_rate(points, t0, t1):
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
-def ops_done_rate(src, dst, t0, t1):
+def ops_done_rate(src, dst, t0, t1, counted_from=None):
     """Ops per second the guest completed between t0 and t1, wherever it ran: the last count
     either copy printed by t1 minus the last printed by t0. A guest that printed nothing in
-    between made (almost) no progress and counts as 0; None when nothing was printed by t0."""
+    between made (almost) no progress and counts as 0; None when nothing was printed by t0.
+    With `counted_from` only what was printed after it counts, still over the whole window:
+    the first line after a switch carries what the guest did before its last line there."""
     def count_by(t):
         seen = [ops for when, ops in list(src) + list(dst) if when <= t]
         return max(seen) if seen else None
-    first, last = count_by(t0), count_by(t1)
+    start = t0 if counted_from is None else min(max(counted_from, t0), t1)
+    first, last = count_by(start), count_by(t1)
     if first is None or last is None or t1 <= t0:
         return None
     return (last - first) / (t1 - t0)
