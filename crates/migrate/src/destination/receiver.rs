@@ -215,7 +215,7 @@ impl<'a> StreamReceiver<'a> {
                 Ok(Outcome { iterations: self.iterations, postcopy: None, leftovers: Some(leftovers) })
             }
             MemoryEnd::Postcopy(start, switching) => {
-                drop(leftovers);
+                drop((leftovers, self.quick.take()));
                 let held = held.expect("hashed for post-copy");
                 let timeout = Duration::from_millis(start.timeout_ms as u64);
                 // Far pages fault in from the memory host, not the source.

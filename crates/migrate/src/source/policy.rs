@@ -84,12 +84,13 @@ const MAX_IDLE_LINK: f64 = 10.0;
 /// both ends: pausing the vCPU and saving its state, the last look at the
 /// dirty log, both digests' last pages, restoring and starting the vCPU at
 /// the destination. Measured on this 2-core host for an idle 4 GiB VM at
-/// 1 Gbit/s (one final page): 0.85-1.1 ms of VMM downtime, of which ~0.4
-/// ms the pipeline's latency ([`LATENCY`]) and ~0.1 ms two round trips.
-/// (1.2-1.9 ms before both ends ran the commit's round trip under
-/// SCHED_FIFO and the destination dropped channel 0's dispatcher after
-/// RESUMED.) Pausing the vCPU sometimes takes 10-60 ms, which no estimate
-/// foresees.
+/// 1 Gbit/s (one final page) and gmigrate-best's stops of 2-9 pages:
+/// 0.76-1.0 ms of VMM downtime in most runs, of which ~0.4 ms the
+/// pipeline's latency ([`LATENCY`]) and ~0.1 ms two round trips. (1.2-1.9
+/// ms before both ends ran the commit's round trip under SCHED_FIFO and
+/// the destination dropped channel 0's dispatcher after RESUMED; 0.85-1.1
+/// before idle CPUs polled through the stop.) Pausing the vCPU sometimes
+/// takes 10-60 ms, which no estimate foresees.
 const STOP_WORK: Duration = Duration::from_micros(500);
 
 /// What to do after an iteration.
