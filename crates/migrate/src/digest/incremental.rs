@@ -210,21 +210,24 @@ pub fn page_hash(page: &[u8; PAGE_SIZE]) -> u64 {
 }
 
 /// What hashing a page already in cache costs on this host: the least of
-/// a few timed rounds (a round may be preempted).
+/// a few timed rounds (a round may be preempted), timed once per process.
 pub fn page_hash_cost() -> std::time::Duration {
     const ROUNDS: u32 = 4;
     const PAGES: u32 = 64;
-    let page = std::hint::black_box([0x5a_u8; PAGE_SIZE]);
-    (0..ROUNDS)
-        .map(|_| {
-            let start = std::time::Instant::now();
-            (0..PAGES).for_each(|_| {
-                std::hint::black_box(page_hash(std::hint::black_box(&page)));
-            });
-            start.elapsed() / PAGES
-        })
-        .min()
-        .unwrap_or_default()
+    static COST: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *COST.get_or_init(|| {
+        let page = std::hint::black_box([0x5a_u8; PAGE_SIZE]);
+        (0..ROUNDS)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                (0..PAGES).for_each(|_| {
+                    std::hint::black_box(page_hash(std::hint::black_box(&page)));
+                });
+                start.elapsed() / PAGES
+            })
+            .min()
+            .unwrap_or_default()
+    })
 }
 
 /// A far page's digest hash from the xxh3-128 far memory keeps of its copy.
