@@ -259,34 +259,45 @@ impl PageFaults {
     }
 
     /// Installs `data` (whole pages) as the pages from `first` in one
-    /// `UFFDIO_COPY`, waking their waiters; a page found present already
-    /// keeps its contents (the rest are installed one by one).
-    pub fn install_run(&self, first: u64, data: &[u8]) -> Result<(), FaultError> {
+    /// `UFFDIO_COPY` up to the first page found present, and wakes the
+    /// threads waiting on those: returns how many it installed (0 when
+    /// the first is present). A thread faulting on the run runs on only
+    /// once all of it is in, instead of faulting again on the next page
+    /// while the one before is being installed.
+    pub fn install_leading(&self, first: u64, data: &[u8]) -> Result<u64, FaultError> {
         let pages = (data.len() / PAGE_SIZE) as u64;
         if pages == 0 || !data.len().is_multiple_of(PAGE_SIZE) {
-            return Ok(());
+            return Ok(0);
         }
         let dst = self.address(first)?;
         self.address(first + pages - 1)?;
         // SAFETY: `dst..dst + data.len()` lies inside the registered
         // mapping (both ends range checked) and `data` is readable for that
         // length; UFFDIO_COPY copies atomically per page and stops at the
-        // first present one (EEXIST).
+        // first present one.
         let result = unsafe { self.uffd.copy(data.as_ptr().cast(), dst, data.len(), true) };
-        match result {
-            Ok(n) if n == data.len() => {
-                for page in first..first + pages {
-                    self.installed(page, Ok(PAGE_SIZE), "UFFDIO_COPY")?;
-                }
-                Ok(())
-            }
-            _ => {
-                for (i, chunk) in data.chunks_exact(PAGE_SIZE).enumerate() {
-                    self.install(first + i as u64, chunk.try_into().expect("a page"))?;
-                }
-                Ok(())
-            }
+        let installed = match result {
+            // Stopped at a present page: EAGAIN, with what it copied (and
+            // woke) before.
+            Ok(bytes) | Err(userfaultfd::Error::PartiallyCopied(bytes)) => (bytes / PAGE_SIZE) as u64,
+            Err(userfaultfd::Error::CopyFailed(errno)) if errno as i32 == libc::EEXIST => 0,
+            Err(e) => return Err(op("UFFDIO_COPY")(e)),
+        };
+        for page in first..first + installed {
+            self.installed(page, Ok(PAGE_SIZE), "UFFDIO_COPY")?;
         }
+        Ok(installed)
+    }
+
+    /// Installs `data` (whole pages) as the pages from `first` in one
+    /// `UFFDIO_COPY`, waking their waiters; a page found present already
+    /// keeps its contents (the rest are installed one by one).
+    pub fn install_run(&self, first: u64, data: &[u8]) -> Result<(), FaultError> {
+        let installed = self.install_leading(first, data)?;
+        for (i, page) in data.chunks_exact(PAGE_SIZE).enumerate().skip(installed as usize) {
+            self.install(first + i as u64, page.try_into().expect("a page"))?;
+        }
+        Ok(())
     }
 
     /// Wakes the threads waiting on `page`, which the caller knows to be
@@ -529,7 +540,7 @@ mod tests {
     }
 
     #[test]
-    fn a_run_is_installed_in_one_copy_and_a_present_page_keeps_its_contents() {
+    fn a_run_is_installed_in_one_copy_up_to_a_present_page_which_keeps_its_contents() {
         let mem = Arc::new(memory::create(8 << 20, false).unwrap());
         let faults = PageFaults::register(&mem).unwrap();
         faults.install(21, &page_of(9)).unwrap();
@@ -546,6 +557,13 @@ mod tests {
         assert_eq!([10, 11, 12, 13].map(byte), [50, 51, 52, 53]);
         assert_eq!([20, 21, 22, 23].map(byte), [50, 9, 52, 53]);
         assert!(faults.install_run(faults.pages() - 1, &run).is_err(), "past the end");
+
+        // Pages 30..34, 32 present: 30 and 31 only.
+        faults.install(32, &page_of(9)).unwrap();
+        assert_eq!(faults.install_leading(30, &run).unwrap(), 2);
+        assert_eq!(faults.install_leading(32, &run[..PAGE_SIZE]).unwrap(), 0, "present");
+        assert_eq!(faults.install(33, &page_of(7)).unwrap(), Installed::Now, "left missing");
+        assert_eq!([30, 31, 32, 33].map(byte), [50, 51, 9, 7]);
     }
 
     #[test]
