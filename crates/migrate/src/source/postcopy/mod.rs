@@ -349,11 +349,13 @@ impl SourceRun<'_> {
             let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
             let channels = link.writers.len();
             // Straight on to the socket: an asked-for page the push took
-            // is not sent again, so it must not wait in a buffer.
+            // is not sent again, so it must not wait in a buffer. (Past
+            // the writer's buffer, once it is empty: a copy less.)
             let writer = &mut link.writers[next % channels];
+            writer.flush().map_err(lost)?;
             for piece in bytes.chunks(PUSH_PIECE) {
                 window.wait_for_room(writer);
-                writer.write_all(piece).and_then(|_| writer.flush()).map_err(lost)?;
+                writer.get_mut().write_all(piece).map_err(lost)?;
             }
             next += 1;
             if let Some(digest) = &link.digest {
