@@ -11,6 +11,7 @@
 use tsubame_codec::PAGE_SIZE;
 
 use super::fields::Fields;
+use super::frame::{frame_header, FRAME_HEADER_LEN};
 use super::kind::{FrameKind, WireError};
 
 /// Bytes of a PAGES payload's header.
@@ -88,22 +89,43 @@ impl Encoding {
 pub struct PagesBuilder {
     buf: Vec<u8>,
     count: u32,
+    /// Bytes kept before the payload for its frame's header
+    /// ([`Self::reset_framed`]).
+    prefix: usize,
+    /// The raw run [`Self::run_page`] appends to: its record's offset,
+    /// first page and pages.
+    run: Option<(usize, u64, usize)>,
 }
 
 impl PagesBuilder {
     /// An empty batch with room for `capacity_pages` raw pages.
     pub fn new(capacity_pages: usize) -> Self {
-        PagesBuilder { buf: Vec::with_capacity(PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE_SIZE)), count: 0 }
+        let capacity = FRAME_HEADER_LEN + PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE_SIZE);
+        PagesBuilder { buf: Vec::with_capacity(capacity), count: 0, prefix: 0, run: None }
     }
 
     /// Starts a new batch of `iteration` for codec `shard`, keeping the allocation.
     pub fn reset(&mut self, iteration: u32, shard: u16) {
+        self.reset_after(0, iteration, shard);
+    }
+
+    /// Like [`Self::reset`], with room for the frame's header before the
+    /// payload: [`Self::framed`] then gives the whole frame without
+    /// copying the payload.
+    pub fn reset_framed(&mut self, iteration: u32, shard: u16) {
+        self.reset_after(FRAME_HEADER_LEN, iteration, shard);
+    }
+
+    fn reset_after(&mut self, prefix: usize, iteration: u32, shard: u16) {
         self.buf.clear();
+        self.buf.resize(prefix, 0);
         self.buf.extend_from_slice(&iteration.to_le_bytes());
         self.buf.extend_from_slice(&shard.to_le_bytes());
         self.buf.extend_from_slice(&0u16.to_le_bytes());
         self.buf.extend_from_slice(&0u32.to_le_bytes());
         self.count = 0;
+        self.prefix = prefix;
+        self.run = None;
     }
 
     /// Appends a record.
@@ -118,8 +140,69 @@ impl PagesBuilder {
         self.buf.extend_from_slice(&page_index.to_le_bytes());
         self.buf.push(encoding as u8);
         self.buf.extend_from_slice(&(len as u32).to_le_bytes());
-        self.count += 1;
-        self.buf[8..12].copy_from_slice(&self.count.to_le_bytes());
+        self.set_count(self.count + 1);
+        self.run = None;
+    }
+
+    fn set_count(&mut self, count: u32) {
+        self.count = count;
+        let at = self.prefix + 8;
+        self.buf[at..at + 4].copy_from_slice(&count.to_le_bytes());
+    }
+
+    /// Appends page `page_index` to a raw record, the last one if it ends
+    /// just before (a raw run once it has two pages), and returns the
+    /// page's bytes to fill: a page is read straight into the payload.
+    pub fn run_page(&mut self, page_index: u64) -> &mut [u8; PAGE_SIZE] {
+        let run = match self.run {
+            Some((at, first, pages)) if page_index == first + pages as u64 && pages < MAX_RUN_PAGES => {
+                (at, first, pages + 1)
+            }
+            _ => {
+                let at = self.buf.len();
+                self.push_header(page_index, Encoding::Raw, PAGE_SIZE);
+                (at, page_index, 1)
+            }
+        };
+        self.set_run(run);
+        let end = self.buf.len();
+        self.buf.resize(end + PAGE_SIZE, 0);
+        (&mut self.buf[end..]).try_into().expect("one page")
+    }
+
+    /// Takes back the page [`Self::run_page`] appended last (it turned
+    /// out to need another record).
+    pub fn unpush_page(&mut self) {
+        let Some((at, first, pages)) = self.run else { return };
+        self.buf.truncate(self.buf.len() - PAGE_SIZE);
+        if pages == 1 {
+            self.buf.truncate(at);
+            self.set_count(self.count - 1);
+            self.run = None;
+        } else {
+            self.set_run((at, first, pages - 1));
+        }
+    }
+
+    /// Records `run` as the raw record being appended to, its encoding
+    /// and length as its pages say.
+    fn set_run(&mut self, (at, first, pages): (usize, u64, usize)) {
+        self.buf[at + 8] = if pages == 1 { Encoding::Raw } else { Encoding::RawRun } as u8;
+        self.buf[at + 9..at + 13].copy_from_slice(&((pages * PAGE_SIZE) as u32).to_le_bytes());
+        self.run = Some((at, first, pages));
+    }
+
+    /// Writes the header of a frame of kind `kind` before the payload
+    /// (after [`Self::reset_framed`]); [`Self::frame`] is then the frame.
+    pub fn seal(&mut self, kind: FrameKind) {
+        assert_eq!(self.prefix, FRAME_HEADER_LEN, "reset_framed first");
+        let header = frame_header(kind, &self.buf[FRAME_HEADER_LEN..]);
+        self.buf[..FRAME_HEADER_LEN].copy_from_slice(&header);
+    }
+
+    /// The frame header (once sealed) and the payload.
+    pub fn frame(&self) -> &[u8] {
+        &self.buf
     }
 
     /// Records so far.
@@ -134,7 +217,7 @@ impl PagesBuilder {
 
     /// The payload.
     pub fn payload(&self) -> &[u8] {
-        &self.buf
+        &self.buf[self.prefix..]
     }
 }
 

@@ -10,7 +10,7 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use tsubame_codec::batch::{BatchCodec, BatchCompressor};
 use tsubame_codec::chooser::Payoff;
 use tsubame_codec::zero::is_zero;
-use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, PAGE_SIZE};
+use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
 use crate::digest::{page_hash, zero_page_hash, DigestFeed};
 use crate::protocol::pages::{CompressedHeader, Encoding, PagesBuilder, RECORDS_PER_FRAME};
@@ -85,9 +85,6 @@ impl Outstanding {
 /// paused VM, compressed (POSTCOPY_PAGES_COMPRESSED) while that pays.
 pub(super) struct PageFrames {
     builder: PagesBuilder,
-    /// Consecutive pages read for one record (a frame's worth, allocated
-    /// once: the pages read so far are its start).
-    run: Vec<u8>,
     out: Vec<u8>,
     /// The digest's hash of each page read since last taken, when
     /// `hash` is set: memory is paused, so the digest need not read the
@@ -127,27 +124,27 @@ impl Packer {
         self.compressor.codec().name()
     }
 
-    /// Appends `payload` as a frame: compressed when the codec is on and
-    /// the result is smaller.
-    fn frame(&mut self, payload: &[u8], out: &mut Vec<u8>) {
-        if self.payoff.enabled() {
-            let start = std::time::Instant::now();
-            self.compressor.compress(payload, &mut self.packed);
-            let packed = CompressedHeader::LEN + self.packed.len();
-            self.payoff.record(start.elapsed().as_secs_f64(), payload.len(), packed.min(payload.len()), self.bandwidth);
-            if packed < payload.len() {
-                self.bytes_in += payload.len() as u64;
-                self.bytes_out += packed as u64;
-                let mut header = Vec::with_capacity(packed);
-                let codec = self.compressor.codec();
-                CompressedHeader { shard: 0, compressor: codec.id(), unpacked_len: payload.len() as u32 }
-                    .write(&mut header);
-                header.extend_from_slice(&self.packed);
-                protocol::write_frame(out, FrameKind::PostcopyPagesCompressed, &header).expect("Vec writes");
-                return;
-            }
+    /// Appends `payload` as a compressed frame when the codec is on and
+    /// the result is smaller; false when it did not.
+    fn pack(&mut self, payload: &[u8], out: &mut Vec<u8>) -> bool {
+        if !self.payoff.enabled() {
+            return false;
         }
-        protocol::write_frame(out, FrameKind::PostcopyPages, payload).expect("Vec writes");
+        let start = std::time::Instant::now();
+        self.compressor.compress(payload, &mut self.packed);
+        let packed = CompressedHeader::LEN + self.packed.len();
+        self.payoff.record(start.elapsed().as_secs_f64(), payload.len(), packed.min(payload.len()), self.bandwidth);
+        if packed >= payload.len() {
+            return false;
+        }
+        self.bytes_in += payload.len() as u64;
+        self.bytes_out += packed as u64;
+        let mut header = Vec::with_capacity(packed);
+        let codec = self.compressor.codec();
+        CompressedHeader { shard: 0, compressor: codec.id(), unpacked_len: payload.len() as u32 }.write(&mut header);
+        header.extend_from_slice(&self.packed);
+        protocol::write_frame(out, FrameKind::PostcopyPagesCompressed, &header).expect("Vec writes");
+        true
     }
 }
 
@@ -155,7 +152,6 @@ impl PageFrames {
     pub(super) fn new() -> PageFrames {
         PageFrames {
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
-            run: vec![0; RECORDS_PER_FRAME * PAGE_SIZE],
             out: Vec::new(),
             hashes: Vec::new(),
             hash: false,
@@ -182,55 +178,41 @@ impl PageFrames {
     }
 
     /// The frames carrying `pages`, read from a paused VM's memory:
-    /// consecutive pages that are not all zeros go as one raw run.
+    /// consecutive pages that are not all zeros go as one raw run. Pages
+    /// are read straight into the frame, which goes out from there when
+    /// it is the only one (two copies of every page fewer).
     pub(super) fn frames(&mut self, memory: &GuestMemory, pages: &[u64]) -> Result<&[u8], SourceError> {
         self.out.clear();
+        let one_frame = pages.len() <= RECORDS_PER_FRAME;
+        let mut in_builder = false;
         for chunk in pages.chunks(RECORDS_PER_FRAME) {
-            self.builder.reset(u32::MAX, 0);
-            // The run being read: its first page and its bytes so far.
-            let (mut first, mut len) = (0, 0);
+            self.builder.reset_framed(u32::MAX, 0);
             for &index in chunk {
-                let at = len;
-                len += PAGE_SIZE;
-                let page: &mut [u8; PAGE_SIZE] = (&mut self.run[at..len]).try_into().expect("one page");
+                let page = self.builder.run_page(index);
                 memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
                 let zero = is_zero(page);
                 if self.hash {
                     self.hashes.push((index, if zero { zero_page_hash() } else { page_hash(page) }));
                 }
-                let follows = at > 0 && index == first + (at / PAGE_SIZE) as u64;
-                if zero || !follows {
-                    // The run so far ends before this page, which starts
-                    // the next one.
-                    push_run(&mut self.builder, first, &self.run[..at]);
-                    self.run.copy_within(at..len, 0);
-                    len = PAGE_SIZE;
-                    first = index;
-                }
                 if zero {
-                    len = 0;
+                    self.builder.unpush_page();
                     self.builder.push(index, Encoding::Zero, &[]);
                     self.zero += 1;
                 }
             }
-            push_run(&mut self.builder, first, &self.run[..len]);
-            match &mut self.packer {
-                Some(packer) => packer.frame(self.builder.payload(), &mut self.out),
-                None => protocol::write_frame(&mut self.out, FrameKind::PostcopyPages, self.builder.payload())
-                    .expect("Vec writes"),
+            if let Some(packer) = &mut self.packer {
+                if packer.pack(self.builder.payload(), &mut self.out) {
+                    continue;
+                }
             }
+            self.builder.seal(FrameKind::PostcopyPages);
+            if one_frame {
+                in_builder = true;
+                break;
+            }
+            self.out.extend_from_slice(self.builder.frame());
         }
-        Ok(&self.out)
-    }
-}
-
-/// Appends `run` (whole pages from `first` on) as a raw or raw-run
-/// record; nothing when it is empty.
-fn push_run(builder: &mut PagesBuilder, first: u64, run: &[u8]) {
-    match run.len() / PAGE_SIZE {
-        0 => {}
-        1 => builder.push(first, Encoding::Raw, run),
-        _ => builder.push(first, Encoding::RawRun, run),
+        Ok(if in_builder { self.builder.frame() } else { &self.out })
     }
 }
 
@@ -417,30 +399,46 @@ pub(super) fn spawn_reader(
 mod tests {
     use super::*;
     use crate::protocol::pages::for_each_record;
+    use tsubame_vmm::PAGE_SIZE;
 
     #[test]
     fn consecutive_pages_go_as_one_raw_run() {
         let memory = memory::create(8 << 20, false).unwrap();
-        for page in [1u64, 2, 3, 5, 7, 8] {
-            memory::write(&memory, page * PAGE_SIZE as u64 + 100, &[page as u8]).unwrap();
+        let mark = |page: u64| (page % 255 + 1) as u8;
+        for page in [1u64, 2, 3, 5, 7, 8, 11].into_iter().chain(100..400) {
+            memory::write(&memory, page * PAGE_SIZE as u64 + 100, &[mark(page)]).unwrap();
         }
-        let mut frames = PageFrames::new();
-        let out = frames.frames(&memory, &[1, 2, 3, 4, 5, 7, 8]).unwrap().to_vec();
-        let mut payload = Vec::new();
-        assert_eq!(protocol::read_frame(&mut &out[..], &mut payload).unwrap(), FrameKind::PostcopyPages);
-        let mut records = Vec::new();
-        for_each_record(&payload, 2048, PAGE_SIZE, |r| {
-            // Each page of a run is its own, in order.
-            for (page, data) in (r.page_index..).zip(r.data.chunks_exact(PAGE_SIZE)) {
-                assert_eq!(data[100], page as u8);
+        let records = |out: &[u8]| {
+            let (mut out, mut payload, mut records) = (out, Vec::new(), Vec::new());
+            while !out.is_empty() {
+                assert_eq!(protocol::read_frame(&mut out, &mut payload).unwrap(), FrameKind::PostcopyPages);
+                for_each_record(&payload, 2048, PAGE_SIZE, |r| {
+                    // Each page of a run is its own, in order.
+                    for (page, data) in (r.page_index..).zip(r.data.chunks_exact(PAGE_SIZE)) {
+                        assert_eq!(data[100], mark(page));
+                    }
+                    records.push((r.page_index, r.encoding, r.data.len() / PAGE_SIZE));
+                    Ok(())
+                })
+                .unwrap();
             }
-            records.push((r.page_index, r.encoding, r.data.len() / PAGE_SIZE));
-            Ok(())
-        })
-        .unwrap();
-        let expected =
-            [(1, Encoding::RawRun, 3), (4, Encoding::Zero, 0), (5, Encoding::Raw, 1), (7, Encoding::RawRun, 2)];
-        assert_eq!(records, expected);
-        assert_eq!(frames.zero, 1);
+            records
+        };
+        let mut frames = PageFrames::new();
+        let out = frames.frames(&memory, &[1, 2, 3, 4, 5, 7, 8, 10, 11]).unwrap().to_vec();
+        let expected = [
+            (1, Encoding::RawRun, 3),
+            (4, Encoding::Zero, 0),
+            (5, Encoding::Raw, 1),
+            (7, Encoding::RawRun, 2),
+            (10, Encoding::Zero, 0),
+            (11, Encoding::Raw, 1),
+        ];
+        assert_eq!(records(&out), expected);
+        assert_eq!(frames.zero, 2);
+        // More pages than a frame holds: two frames.
+        let pages: Vec<u64> = (100..400).collect();
+        let out = frames.frames(&memory, &pages).unwrap().to_vec();
+        assert_eq!(records(&out), [(100, Encoding::RawRun, RECORDS_PER_FRAME), (356, Encoding::RawRun, 44)]);
     }
 }
