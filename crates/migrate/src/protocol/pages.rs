@@ -110,8 +110,8 @@ impl PagesBuilder {
     }
 
     /// Like [`Self::reset`], with room for the frame's header before the
-    /// payload: [`Self::framed`] then gives the whole frame without
-    /// copying the payload.
+    /// payload: [`Self::seal`] and [`Self::frame`] then give the whole
+    /// frame without copying the payload.
     pub fn reset_framed(&mut self, iteration: u32, shard: u16) {
         self.reset_after(FRAME_HEADER_LEN, iteration, shard);
     }

@@ -193,7 +193,7 @@ impl PostcopyShared {
     /// Installs consecutive pages from `first`: those still missing here
     /// in runs of one `UFFDIO_COPY` each (a guest following the push
     /// faulted on nearly every page of a run installed page by page:
-    /// fill-random's 4 GiB took 90-140 thousand faults), the others one by
+    /// fill-random's 4 GiB took 90-160 thousand faults), the others one by
     /// one.
     fn install_run(&self, first: u64, data: &[u8]) -> Result<(), WireError> {
         let pages = (data.len() / PAGE_SIZE) as u64;
