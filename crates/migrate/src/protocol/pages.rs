@@ -11,7 +11,6 @@
 use tsubame_codec::PAGE_SIZE;
 
 use super::fields::Fields;
-use super::frame::{frame_header, FRAME_HEADER_LEN};
 use super::kind::{FrameKind, WireError};
 
 /// Bytes of a PAGES payload's header.
@@ -89,8 +88,7 @@ impl Encoding {
 pub struct PagesBuilder {
     buf: Vec<u8>,
     count: u32,
-    /// Bytes kept before the payload for its frame's header
-    /// ([`Self::reset_framed`]).
+    /// Bytes kept before the payload ([`Self::reset_leaving`]).
     prefix: usize,
     /// The raw run [`Self::run_page`] appends to: its record's offset,
     /// first page and pages.
@@ -100,31 +98,27 @@ pub struct PagesBuilder {
 impl PagesBuilder {
     /// An empty batch with room for `capacity_pages` raw pages.
     pub fn new(capacity_pages: usize) -> Self {
-        let capacity = FRAME_HEADER_LEN + PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE_SIZE);
+        let capacity = PAGES_HEADER + capacity_pages * (RECORD_HEADER + PAGE_SIZE);
         PagesBuilder { buf: Vec::with_capacity(capacity), count: 0, prefix: 0, run: None }
     }
 
     /// Starts a new batch of `iteration` for codec `shard`, keeping the allocation.
     pub fn reset(&mut self, iteration: u32, shard: u16) {
-        self.reset_after(0, iteration, shard);
+        self.reset_leaving(0, iteration, shard);
     }
 
-    /// Like [`Self::reset`], with room for the frame's header before the
-    /// payload: [`Self::seal`] and [`Self::frame`] then give the whole
-    /// frame without copying the payload.
-    pub fn reset_framed(&mut self, iteration: u32, shard: u16) {
-        self.reset_after(FRAME_HEADER_LEN, iteration, shard);
-    }
-
-    fn reset_after(&mut self, prefix: usize, iteration: u32, shard: u16) {
+    /// Like [`Self::reset`], leaving `room` bytes before the payload for
+    /// the caller's frame header ([`Self::room_mut`]): [`Self::all`] is
+    /// then the frame, without copying the payload.
+    pub fn reset_leaving(&mut self, room: usize, iteration: u32, shard: u16) {
         self.buf.clear();
-        self.buf.resize(prefix, 0);
+        self.buf.resize(room, 0);
         self.buf.extend_from_slice(&iteration.to_le_bytes());
         self.buf.extend_from_slice(&shard.to_le_bytes());
         self.buf.extend_from_slice(&0u16.to_le_bytes());
         self.buf.extend_from_slice(&0u32.to_le_bytes());
         self.count = 0;
-        self.prefix = prefix;
+        self.prefix = room;
         self.run = None;
     }
 
@@ -192,16 +186,13 @@ impl PagesBuilder {
         self.run = Some((at, first, pages));
     }
 
-    /// Writes the header of a frame of kind `kind` before the payload
-    /// (after [`Self::reset_framed`]); [`Self::frame`] is then the frame.
-    pub fn seal(&mut self, kind: FrameKind) {
-        assert_eq!(self.prefix, FRAME_HEADER_LEN, "reset_framed first");
-        let header = frame_header(kind, &self.buf[FRAME_HEADER_LEN..]);
-        self.buf[..FRAME_HEADER_LEN].copy_from_slice(&header);
+    /// The room left before the payload ([`Self::reset_leaving`]).
+    pub fn room_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.prefix]
     }
 
-    /// The frame header (once sealed) and the payload.
-    pub fn frame(&self) -> &[u8] {
+    /// The room before the payload and the payload.
+    pub fn all(&self) -> &[u8] {
         &self.buf
     }
 

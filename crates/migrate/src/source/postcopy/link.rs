@@ -186,7 +186,7 @@ impl PageFrames {
         let one_frame = pages.len() <= RECORDS_PER_FRAME;
         let mut in_builder = false;
         for chunk in pages.chunks(RECORDS_PER_FRAME) {
-            self.builder.reset_framed(u32::MAX, 0);
+            self.builder.reset_leaving(protocol::FRAME_HEADER_LEN, u32::MAX, 0);
             for &index in chunk {
                 let page = self.builder.run_page(index);
                 memory::read_page(memory, index, page).map_err(tsubame_vmm::VmError::from)?;
@@ -205,14 +205,15 @@ impl PageFrames {
                     continue;
                 }
             }
-            self.builder.seal(FrameKind::PostcopyPages);
+            let header = protocol::frame_header(FrameKind::PostcopyPages, self.builder.payload());
+            self.builder.room_mut().copy_from_slice(&header);
             if one_frame {
                 in_builder = true;
                 break;
             }
-            self.out.extend_from_slice(self.builder.frame());
+            self.out.extend_from_slice(self.builder.all());
         }
-        Ok(if in_builder { self.builder.frame() } else { &self.out })
+        Ok(if in_builder { self.builder.all() } else { &self.out })
     }
 }
 
