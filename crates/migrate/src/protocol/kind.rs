@@ -14,8 +14,9 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// POSTCOPY_PREPARE and POSTCOPY_PREPARED: the destination drops stale
 /// pages while the guest still runs at the source; and
 /// POSTCOPY_PAGES_COMPRESSED; 7 DIGEST before the pause and
-/// DIGEST_UPDATE after it).
-pub const VERSION: u32 = 8;
+/// DIGEST_UPDATE after it; 8 the raw run; 9 POSTCOPY_PAGES_COMPRESSED on
+/// the request connection too).
+pub const VERSION: u32 = 9;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 

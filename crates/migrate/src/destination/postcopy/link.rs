@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use super::shared::PostcopyShared;
+use super::shared::{PostcopyShared, Unpacker};
 use crate::destination::error::ReceiveError;
 use crate::protocol::{self, ErrorMessage, FrameKind, Resume, ResumeAck, WireError};
 use crate::transport::{Listener, Security, Stream};
@@ -55,7 +55,8 @@ pub(super) fn spawn_reader(mut reader: Box<dyn Read + Send>, link: u64, events: 
     });
 }
 
-/// Reads a request connection's POSTCOPY_PAGES until it closes.
+/// Reads a request connection's POSTCOPY_PAGES (plain or compressed)
+/// until it closes.
 pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
     let _ = std::thread::Builder::new().name("postcopy-urgent".into()).spawn(move || {
         // A vCPU waiting on a page waits for this thread: it runs first
@@ -63,16 +64,20 @@ pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
         let _realtime = tsubame_vmm::cpu_time::realtime_thread();
         let mut reader = std::io::BufReader::with_capacity(256 << 10, stream);
         let mut frame = Vec::new();
+        let mut unpacker = Unpacker::default();
         while !shared.stop.load(Ordering::Acquire) {
-            match protocol::read_frame(&mut reader, &mut frame) {
-                Ok(FrameKind::PostcopyPages) => {
-                    if let Err(e) = shared.install_frame(&frame) {
-                        shared.fail(format!("request connection: {e}"));
-                    }
+            let installed = match protocol::read_frame(&mut reader, &mut frame) {
+                Ok(FrameKind::PostcopyPages) => shared.install_frame(&frame),
+                Ok(FrameKind::PostcopyPagesCompressed) => shared.install_compressed(&frame, &mut unpacker),
+                Ok(other) => {
+                    shared.fail(format!("request connection: unexpected {other:?}"));
+                    Ok(())
                 }
-                Ok(other) => shared.fail(format!("request connection: unexpected {other:?}")),
                 // The source closes it when done; channel 0 tells a cut.
                 Err(_) => return,
+            };
+            if let Err(e) = installed {
+                shared.fail(format!("request connection: {e}"));
             }
         }
     });

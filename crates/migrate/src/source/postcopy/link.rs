@@ -95,7 +95,17 @@ pub(super) struct PageFrames {
     pub(super) packer: Option<Packer>,
 }
 
-/// Compresses the push's frames while that pays at its bandwidth.
+/// How post-copy's frames are compressed: the codec, and the bandwidth
+/// at which it must pay.
+#[derive(Clone, Copy)]
+pub(super) struct Packing {
+    pub(super) codec: BatchCodec,
+    pub(super) bandwidth: f64,
+}
+
+/// Compresses the push's frames, or the asked-for pages', while that
+/// pays at the link's bandwidth (a sparse guest's pages, a few words
+/// each, shrink ~40 times: less of the link for each, and for the push).
 pub(super) struct Packer {
     compressor: BatchCompressor,
     payoff: Payoff,
@@ -249,6 +259,7 @@ impl Link {
         counters: &Counters,
         pacer: Option<Arc<Pacer>>,
         digest: Option<DigestFeed>,
+        packing: Packing,
     ) -> Link {
         let (heard_tx, heard) = unbounded();
         let (requests_tx, requests) = unbounded::<Vec<u64>>();
@@ -264,6 +275,7 @@ impl Link {
                 bytes: counters.urgent_bytes.clone(),
                 pacer,
                 digest: digest.clone(),
+                packing,
             };
             let memory = vm.memory().clone();
             let _ = std::thread::Builder::new()
@@ -287,12 +299,14 @@ struct UrgentServer {
     pacer: Option<Arc<Pacer>>,
     /// Where the hashes of the pages it reads go.
     digest: Option<DigestFeed>,
+    packing: Packing,
 }
 
 impl UrgentServer {
     fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
         let mut frames = PageFrames::new();
         frames.hash = self.digest.is_some();
+        frames.packer = Some(Packer::new(self.packing.codec, self.packing.bandwidth));
         while let Ok(mut pages) = requests.recv() {
             // Take every request queued meanwhile: one write for all.
             pages.extend(requests.try_iter().flatten());

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, PageFrames, HASHES_HANDED};
+use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, Packing, PageFrames, HASHES_HANDED};
 use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
 use super::{ms, SourceError, SourceRun};
 use crate::digest::DigestFeed;
@@ -144,12 +144,19 @@ impl SourceRun<'_> {
             }
             _ => None,
         };
+        // Asked-for pages and the push are compressed while that pays at
+        // the link's rate (pages a guest wrote a few words of shrink a
+        // lot, random bytes not at all).
+        let cap = self.options.max_bandwidth.map(|cap| cap as f64);
+        let bandwidth = cap.unwrap_or(self.policy.bandwidth_for(self.options));
+        let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
+        let packing = Packing { codec, bandwidth: if bandwidth.is_finite() { bandwidth } else { f64::INFINITY } };
         let counters = Counters::default();
         let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0, link: 0 }));
         let reader = self.reader.take().expect("connected");
         let urgent = self.urgent.take();
         let connections = (writers, reader, urgent);
-        let mut link = Link::start(vm, connections, &outstanding, &counters, self.pacer.clone(), feed);
+        let mut link = Link::start(vm, connections, &outstanding, &counters, self.pacer.clone(), feed, packing);
 
         // The destination runs the VM once it says so: the downtime ends.
         // (A cut link here is taken back like any other: a destination
@@ -170,7 +177,7 @@ impl SourceRun<'_> {
             }
             Ok(Heard::Lost(why)) => {
                 self.enter(SourceState::PostcopyPaused);
-                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone())?;
+                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing)?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
                 self.stats.downtime_ms = ms(paused.elapsed());
@@ -192,9 +199,6 @@ impl SourceRun<'_> {
         // the measure was high. Paced at 0.955 of the cap, for the headers
         // a shaped link counts, it took 0.4 % longer than at the cap: the
         // window keeps the queue short either way.)
-        let cap = self.options.max_bandwidth.map(|cap| cap as f64);
-        let measured = self.policy.bandwidth_for(self.options);
-        let bandwidth = cap.unwrap_or(measured);
         if let Some(pacer) = &self.pacer {
             pacer.set_rate(cap.map(|rate| rate as u64));
             pacer.set_burst(PUSH_BURST);
@@ -203,17 +207,14 @@ impl SourceRun<'_> {
         // The push is bulk work: the threads that serve faults go first.
         let _background = tsubame_vmm::cpu_time::lower_thread_priority();
         let mut frames = PageFrames::new();
-        // Compressed while it pays at the push's rate (pages a guest wrote
-        // a few words of shrink a lot, random bytes not at all).
-        let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
-        frames.packer = Some(Packer::new(codec, if bandwidth.is_finite() { bandwidth } else { f64::INFINITY }));
+        frames.packer = Some(Packer::new(packing.codec, packing.bandwidth));
         let done = loop {
             match self.push_until_done(&mut link, &outstanding, &mut frames, &counters, &window) {
                 Ok(done) => break done,
                 Err(Heard::Lost(why)) => {
                     // Both ends keep what they have and wait for the link.
                     self.enter(SourceState::PostcopyPaused);
-                    link = self.reconnect(&why, &outstanding, &counters, link.digest.clone())?;
+                    link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing)?;
                     resumes += 1;
                     self.enter(SourceState::Postcopy);
                 }
@@ -431,6 +432,7 @@ impl SourceRun<'_> {
         outstanding: &Arc<Mutex<Outstanding>>,
         counters: &Counters,
         digest: Option<DigestFeed>,
+        packing: Packing,
     ) -> Result<Link, SourceError> {
         let vm = self.vm;
         let deadline = Instant::now() + self.options.postcopy_timeout;
@@ -449,7 +451,7 @@ impl SourceRun<'_> {
                         let _ = reply.send(Ok(()));
                     }
                     let pacer = self.pacer.clone();
-                    return Ok(Link::start(vm, connections, outstanding, counters, pacer, digest));
+                    return Ok(Link::start(vm, connections, outstanding, counters, pacer, digest, packing));
                 }
                 Err(e) => {
                     if let Some((_, reply)) = asked {
