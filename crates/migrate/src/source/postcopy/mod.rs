@@ -375,7 +375,10 @@ impl SourceRun<'_> {
             writer.flush().map_err(lost)?;
             let mut rest = bytes;
             while !rest.is_empty() {
-                let contended = contention.now(&counters.urgent_pages);
+                // Over TCP only: a Unix socket has no queue that asked-for
+                // pages share with the push, and there the short one only
+                // slowed the push (a sparse demo's phase by a third).
+                let contended = contention.now(&counters.urgent_pages) && super::send::tcp_fd(writer).is_some();
                 let piece = if contended { CONTENDED_PIECE } else { PUSH_PIECE };
                 let (now, later) = rest.split_at(piece.min(rest.len()));
                 window.wait_for_room(writer, contended);
