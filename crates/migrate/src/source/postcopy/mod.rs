@@ -352,7 +352,7 @@ impl SourceRun<'_> {
         let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
         frames.hash = link.digest.is_some();
         let mut next = 0usize;
-        let mut contention = Contention::default();
+        let mut contention = Contention::over(&link.writers);
         loop {
             match link.heard.try_recv() {
                 // A destination that had every page before a cut says so
@@ -375,10 +375,7 @@ impl SourceRun<'_> {
             writer.flush().map_err(lost)?;
             let mut rest = bytes;
             while !rest.is_empty() {
-                // Over TCP only: a Unix socket has no queue that asked-for
-                // pages share with the push, and there the short one only
-                // slowed the push (a sparse demo's phase by a third).
-                let contended = contention.now(&counters.urgent_pages) && super::send::tcp_fd(writer).is_some();
+                let contended = contention.now(&counters.urgent_pages);
                 let piece = if contended { CONTENDED_PIECE } else { PUSH_PIECE };
                 let (now, later) = rest.split_at(piece.min(rest.len()));
                 window.wait_for_room(writer, contended);
@@ -525,15 +522,28 @@ impl SourceRun<'_> {
 
 /// Whether the guest waits on pages the push has not reached: some went
 /// out on request in the last [`CONTENDED_FOR`].
-#[derive(Default)]
 struct Contention {
+    /// Whether asked-for pages queue behind the push at all: over TCP, in
+    /// the network's queues. A Unix socket has none they share, and there
+    /// the short queue only slowed the push (a sparse demo's phase by a
+    /// third).
+    shared_queue: bool,
     /// Pages sent on request, as last seen.
     seen: u64,
     until: Option<Instant>,
 }
 
 impl Contention {
+    /// For the push over `writers` (one transport for all).
+    fn over(writers: &[Writer]) -> Contention {
+        let shared_queue = writers.first().is_some_and(|w| super::send::tcp_fd(w).is_some());
+        Contention { shared_queue, seen: 0, until: None }
+    }
+
     fn now(&mut self, sent_on_request: &AtomicU64) -> bool {
+        if !self.shared_queue {
+            return false;
+        }
         let sent = sent_on_request.load(Ordering::Relaxed);
         let now = Instant::now();
         if sent != self.seen {
