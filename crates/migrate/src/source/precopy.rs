@@ -342,6 +342,10 @@ impl SourceRun<'_> {
         if let Some(batch) = open {
             self.engine().submit(batch)?;
         }
+        // The stop: from here this thread does little work (the digest's
+        // bookkeeping below), then waits and writes frames until RESUMED:
+        // it runs first whenever it is ready (see `stop_and_copy`).
+        let realtime = paused.then(tsubame_vmm::cpu_time::realtime_thread);
         self.held_nonzero = std::mem::replace(&mut fetcher.held_nonzero, DirtyBitmap::new(0));
         // The stop: every last page is read and hashed, so the digest
         // takes them now and answers while the pipeline drains (asked
@@ -366,7 +370,7 @@ impl SourceRun<'_> {
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
-        Ok(Sent { it, unsent, zeros: fetcher.zeros, digest })
+        Ok(Sent { it, unsent, zeros: fetcher.zeros, digest, realtime })
     }
 }
 
@@ -382,4 +386,7 @@ pub(super) struct Sent {
     /// With `paused`: the digest's region hashes with every page read,
     /// on their way.
     pub digest: Option<crossbeam_channel::Receiver<Vec<u64>>>,
+    /// With `paused`: the thread runs under SCHED_FIFO from the last
+    /// page read until this drops.
+    pub realtime: Option<tsubame_vmm::cpu_time::Realtime>,
 }

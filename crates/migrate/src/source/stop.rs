@@ -39,8 +39,10 @@ impl SourceRun<'_> {
         };
         let mut breakdown = DowntimeBreakdown::default();
         let quick = tsubame_vmm::cpu_time::quick_wakeups();
-        // (Not under SCHED_FIFO as the post-copy switch is: the commit's
-        // round trip then took up to 3.9 ms instead of 0.2-0.3.)
+        // Under SCHED_FIFO only once the last page is read (`Sent::realtime`):
+        // before, this thread reads and hashes every page, and ahead of
+        // the destination's threads the whole stop took longer (the
+        // commit's round trip up to 3.9 ms instead of 0.2-0.3).
         vm.pause_for_state()?;
         laps(&mut breakdown.pause_ms);
         // Before STATE: the destination drops its stale early copies of
@@ -55,7 +57,8 @@ impl SourceRun<'_> {
         // then reads none of the last pages again (a bwmem guest's 3000
         // took 1.2-2 ms to hash after they went out), and answers before
         // the pipeline has drained.
-        let sent = self.send_dirty(&pending, iteration, None, true)?;
+        let mut sent = self.send_dirty(&pending, iteration, None, true)?;
+        let realtime = sent.realtime.take();
         self.stats.per_iteration.push(sent.it);
         laps(&mut breakdown.final_pages_ms);
 
@@ -77,14 +80,13 @@ impl SourceRun<'_> {
         self.stats.bytes_on_wire = self.engine().bytes();
         laps(&mut breakdown.source_digest_ms);
 
-        // From here to RESUMED this thread waits on the destination or
-        // writes a frame (re-sent regions aside, which are rare): it runs
-        // without waiting for a CPU. (Woken by READY or preempted while
-        // writing COMMIT, it waited 0.4-1 ms behind the destination's
-        // threads; the destination does the same from READY on. Under
-        // SCHED_FIFO for the whole stop, with the destination not, the
-        // commit took up to 3.9 ms.)
-        let realtime = tsubame_vmm::cpu_time::realtime_thread();
+        // From the last page read to RESUMED this thread waits (for the
+        // pipeline, the digest, the destination) or writes a frame
+        // (re-sent regions aside, which are rare): it runs without waiting
+        // for a CPU. (Woken by READY or preempted while writing COMMIT, it
+        // waited 0.4-1 ms behind the destination's threads; woken by the
+        // pipeline's end, 0.6-0.9 ms in 3 of 5 kv stops. The destination
+        // does the same from READY on.)
         let mut rounds = 0;
         loop {
             let kind = protocol::read_frame(reader, &mut frame)?;
