@@ -358,7 +358,7 @@ impl SourceRun<'_> {
             let zeros = std::mem::replace(&mut fetcher.zeros, DirtyBitmap::new(0));
             self.refresh_digest(&unread, Some(zeros));
             self.digest().feed().known(hashes);
-            self.digest().request_hashes()
+            self.digest().request_hashes_in_stop()
         });
         it.pages_sent = self.engine().end_iteration(iteration)?;
         it.bytes_on_wire = self.engine().bytes() - bytes_before;
