@@ -553,7 +553,7 @@ impl<'a> StreamReceiver<'a> {
         // Every channel's last pages are applied, their hashes handed
         // over, before the digest is read.
         shared.wait_applied(final_iteration)?;
-        let mut ours = digest.hashes_in_stop();
+        let mut ours = digest.request_hashes_in_stop().recv().expect("digest thread answers");
         let mut theirs = match self.next(reader)? {
             FrameKind::DigestUpdate => {
                 let update = DigestUpdate::decode(&self.frame.buf, digest.region(), ours.len())?;

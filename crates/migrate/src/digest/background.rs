@@ -186,17 +186,11 @@ impl BackgroundDigest {
         self.request(false)
     }
 
-    /// [`BackgroundDigest::hashes`] in a stop, whose end waits for it:
-    /// the thread hashes what is left and answers under SCHED_FIFO (behind
-    /// the stop's other threads on 2 cores, an answer of 0.05 ms of work
-    /// came 0.4-1.9 ms late in 1 stop of 10). Only with the guest paused
-    /// and the backlog hashed beforehand: the work must be short.
-    pub fn hashes_in_stop(&self) -> Vec<u64> {
-        self.request(true).recv().expect("digest thread answers")
-    }
-
-    /// [`BackgroundDigest::request_hashes`] in a stop (see
-    /// [`BackgroundDigest::hashes_in_stop`]).
+    /// [`BackgroundDigest::request_hashes`] in a stop, whose end waits for
+    /// it: the thread hashes what is left and answers under SCHED_FIFO
+    /// (behind the stop's other threads on 2 cores, an answer of 0.05 ms
+    /// of work came 0.4-1.9 ms late in 1 stop of 10). Only with the guest
+    /// paused and the backlog hashed beforehand: the work must be short.
     pub fn request_hashes_in_stop(&self) -> crossbeam_channel::Receiver<Vec<u64>> {
         self.request(true)
     }

@@ -38,10 +38,6 @@ pub struct PrecopyPolicy {
     /// stop sends (with sub-pages a dirty page whose pieces did not change
     /// sends nothing: a kv guest's sent a third of its dirty pages).
     bytes_per_dirty_page: f64,
-    /// Pages sent per dirty page, from the same iterations (with sub-pages
-    /// a kv guest's sent a third of its dirty pages, a bwmem guest's
-    /// almost none).
-    sent_per_dirty_page: f64,
     /// The guest's throttle, when `auto_converge` is on.
     pub auto_converge: AutoConverge,
     /// The link's round trip (channel 0's lowest), when known.
@@ -188,7 +184,6 @@ impl Default for PrecopyPolicy {
             capacity: 0.0,
             bytes_per_page: (PAGE_SIZE + RECORD_HEADER) as f64,
             bytes_per_dirty_page: (PAGE_SIZE + RECORD_HEADER) as f64,
-            sent_per_dirty_page: 1.0,
             auto_converge: AutoConverge::default(),
             round_trip: Duration::ZERO,
             work_per_page: Duration::ZERO,
@@ -214,7 +209,6 @@ impl PrecopyPolicy {
         if it.index > 0 && it.pages_sent > 0 {
             self.bytes_per_page = it.bytes_on_wire as f64 / it.pages_sent as f64;
             self.bytes_per_dirty_page = it.bytes_on_wire as f64 / it.dirty_pages.max(it.pages_sent) as f64;
-            self.sent_per_dirty_page = it.pages_sent as f64 / it.dirty_pages.max(it.pages_sent) as f64;
         }
         // A short iteration measures its latency, not the link: a few
         // hundred KiB of the end game's went out at a fifth of the rate.
@@ -265,7 +259,10 @@ impl PrecopyPolicy {
     fn pages_time(&self, pages: u64, options: &MigrateOptions) -> Duration {
         let per_page = |cost: Duration| Duration::from_secs_f64(cost.as_secs_f64() * pages as f64);
         let work = per_page(self.work_per_page.mul_f64(STOP_WORK_FACTOR));
-        let landing = per_page(DESTINATION_PER_PAGE.mul_f64(self.sent_per_dirty_page));
+        // Pages sent per dirty page (a kv guest's sub-pages sent a third,
+        // a bwmem guest's almost none).
+        let sent_per_dirty_page = self.bytes_per_dirty_page / self.bytes_per_page;
+        let landing = per_page(DESTINATION_PER_PAGE.mul_f64(sent_per_dirty_page));
         self.sending(pages, options).max(work).max(LATENCY) + per_page(self.hash_per_page) + landing
     }
 
