@@ -50,8 +50,6 @@ pub(super) struct StreamReceiver<'a> {
     opens_storage: bool,
     /// Held from the digest before the stop (or STATE) to RESUMED.
     quick: Option<tsubame_vmm::cpu_time::QuickWakeups>,
-    /// Held from STATE to RESUMED (see where STATE arrives).
-    realtime: Option<tsubame_vmm::cpu_time::Realtime>,
 }
 
 /// The threads and tables of a migration being received.
@@ -134,7 +132,6 @@ impl<'a> StreamReceiver<'a> {
             warm: None,
             opens_storage: true,
             quick: None,
-            realtime: None,
         }
     }
 
@@ -198,6 +195,11 @@ impl<'a> StreamReceiver<'a> {
             MemoryEnd::State(state) => {
                 let disk_cache = self.finish_warm();
                 landing.restore(&state, disk_cache)?;
+                // From READY to RESUMED every step blocks or ends within a
+                // millisecond: this thread runs without waiting for a CPU
+                // (behind the vCPU it just started, RESUMED went out up to
+                // 2.4 ms late), as in post-copy's switch.
+                let realtime = tsubame_vmm::cpu_time::realtime_thread();
                 write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Ready, &[]))?;
                 self.state = ReceiverState::Ready;
                 (self.log)("memory verified; ready, waiting for commit");
@@ -207,7 +209,7 @@ impl<'a> StreamReceiver<'a> {
                 // The VM runs here now, whether RESUMED arrives or not.
                 let resumed = Resumed { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
                 let _ = write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Resumed, &resumed.encode()));
-                drop((self.realtime.take(), self.quick.take()));
+                drop((realtime, self.quick.take()));
                 self.state = ReceiverState::Committed;
                 (self.log)("committed; the VM runs here now");
                 leftovers._buffers = Some((reader, std::mem::take(&mut self.frame.buf)));
@@ -548,9 +550,6 @@ impl<'a> StreamReceiver<'a> {
         };
         self.state = ReceiverState::AwaitDigest;
         self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
-        // To RESUMED this thread blocks or works briefly, and runs first (woken
-        // late, a 2-page stop's verify took 0.8-1.9 ms in 2 of 27; ≤ 0.31 after).
-        self.realtime = Some(tsubame_vmm::cpu_time::realtime_thread());
         // Every channel's last pages are applied, their hashes handed
         // over, before the digest is read.
         shared.wait_applied(final_iteration)?;
