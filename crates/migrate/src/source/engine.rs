@@ -11,13 +11,14 @@
 //! on one channel in order, so a page's records can never overtake each
 //! other however the channels interleave.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use tsubame_vmm::PAGE_SIZE;
 
+use super::busy::{timed, Busy, PipelineWork, StageWork};
 use super::encode::{EncodeStage, EncoderSetup, SendItem, ShardEncoder};
 use super::error::PipelineError;
 use super::fetch::Batch;
@@ -30,27 +31,14 @@ use crate::transport::Pacer;
 /// Busy nanoseconds per stage, updated as the stages work: what the
 /// progress bar shows while the final statistics are still in the threads.
 struct LiveBusy {
-    fetch: AtomicU64,
-    encode: AtomicU64,
-    send: AtomicU64,
+    fetch: Busy,
+    encode: Busy,
+    send: Busy,
     since: Instant,
     /// Encoded batches handed to a sender's queue and not taken from it
     /// yet (counted here: a handle on the queue itself would keep it open
     /// after its sender stopped, and an encoder would wait on it for ever).
     for_senders: std::sync::atomic::AtomicI64,
-}
-
-fn add_busy(counter: &AtomicU64, d: Duration) {
-    counter.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
-}
-
-/// Runs `work`, adding its time to `stats` and to the live counter.
-fn timed<T>(stats: &mut StageStats, live: &AtomicU64, work: impl FnOnce() -> T) -> T {
-    let start = Instant::now();
-    let result = work();
-    stats.busy_seconds += start.elapsed().as_secs_f64();
-    add_busy(live, start.elapsed());
-    result
 }
 
 /// Knobs of the engine.
@@ -120,9 +108,9 @@ impl Engine {
             .map(|s| ShardEncoder::new(s, encoder).map(EncodeStage::new))
             .collect::<Result<Vec<_>, _>>()?;
         let live = Arc::new(LiveBusy {
-            fetch: AtomicU64::new(0),
-            encode: AtomicU64::new(0),
-            send: AtomicU64::new(0),
+            fetch: Busy::default(),
+            encode: Busy::default(),
+            send: Busy::default(),
             since: Instant::now(),
             for_senders: Default::default(),
         });
@@ -246,37 +234,31 @@ impl Engine {
     }
 
     /// Counts fetch work (timed by the caller).
-    pub fn fetched(&mut self, busy: Duration) {
-        self.fetch.busy_seconds += busy.as_secs_f64();
+    pub fn fetched(&mut self, busy: StageWork) {
+        self.fetch.busy_seconds += busy.wall.as_secs_f64();
         self.fetch.items += 1;
-        add_busy(&self.live.fetch, busy);
+        self.live.fetch.add(busy.wall, busy.cpu);
     }
 
-    /// The fetch's busy time so far, and the encoders' per encoder thread:
-    /// what a page's way through the stages costs where the link does not
-    /// bound it.
-    pub fn page_work(&self) -> (Duration, Duration) {
-        let encoders = self.threads.0.max(1) as u64;
-        (
-            Duration::from_nanos(self.live.fetch.load(Ordering::Relaxed)),
-            Duration::from_nanos(self.live.encode.load(Ordering::Relaxed) / encoders),
-        )
-    }
-
-    /// The senders' busy time so far, per sender thread: writing, and
-    /// waiting for the socket or the pacer to take the bytes. Near an
-    /// iteration's length where the link bounds it; a sender waiting for
-    /// pages is not busy.
-    pub fn send_busy(&self) -> Duration {
-        Duration::from_nanos(self.live.send.load(Ordering::Relaxed) / self.threads.1.max(1) as u64)
+    /// Each stage's busy time so far, per thread of the stage: the fetch's
+    /// and the encoders' are what a page's way through the stages costs
+    /// where the link does not bound it; the senders' wall time is
+    /// writing and waiting for the socket or the pacer to take the bytes
+    /// (near an iteration's length where the link bounds it; a sender
+    /// waiting for pages is not busy).
+    pub fn work(&self) -> PipelineWork {
+        PipelineWork {
+            fetch: self.live.fetch.per_thread(1),
+            encode: self.live.encode.per_thread(self.threads.0),
+            send: self.live.send.per_thread(self.threads.1),
+        }
     }
 
     /// Each stage's busy share of its threads so far, e.g.
     /// "fetch 12% encode 85%×3 send 40%×1".
     pub fn summary(&self) -> String {
         let wall = self.live.since.elapsed().as_secs_f64().max(1e-9);
-        let share =
-            |c: &AtomicU64, threads: u32| 100.0 * c.load(Ordering::Relaxed) as f64 / 1e9 / wall / threads as f64;
+        let share = |c: &Busy, threads: u32| 100.0 * c.per_thread(threads).wall.as_secs_f64() / wall;
         let (encoders, senders) = self.threads;
         format!(
             "fetch {:.0}% encode {:.0}%×{encoders} send {:.0}%×{senders}",

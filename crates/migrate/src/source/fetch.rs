@@ -10,8 +10,10 @@ use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, VmError, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 use xxhash_rust::xxh3::xxh3_128;
 
+use super::busy::StageWork;
 use super::vm::SourceVm;
 use crate::digest::{page_hash, FarPageHashes};
+use crate::stats::thread_cpu_time;
 
 /// Reads dirty pages into batches.
 pub struct Fetcher {
@@ -49,8 +51,8 @@ pub struct Fetcher {
     /// read per run.
     pub paused: bool,
     /// Time spent clearing dirty bits and reading the page map, which a
-    /// paused fetch skips.
-    pub bookkeeping: std::time::Duration,
+    /// paused fetch skips (wall and CPU).
+    pub bookkeeping: StageWork,
 }
 
 /// Far memory as the fetcher sees it. A page of the map is not sent while
@@ -149,7 +151,7 @@ impl Fetcher {
             scratch: Box::new([0; PAGE_SIZE]),
             hashes: None,
             paused: false,
-            bookkeeping: std::time::Duration::ZERO,
+            bookkeeping: StageWork::default(),
         }
     }
 
@@ -161,6 +163,7 @@ impl Fetcher {
     pub fn pick(&mut self, vm: &dyn SourceVm, first_page: u64, chunk: &[u64]) -> Result<usize, VmError> {
         self.picked.clear();
         let started = std::time::Instant::now();
+        let cpu = thread_cpu_time();
         if !self.paused {
             vm.clear_dirty_log(first_page, chunk)?;
         }
@@ -171,7 +174,8 @@ impl Fetcher {
         if !ask || self.pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first_page, populated).is_err()) {
             populated.fill(true);
         }
-        self.bookkeeping += started.elapsed();
+        self.bookkeeping.wall += started.elapsed();
+        self.bookkeeping.cpu += thread_cpu_time().saturating_sub(cpu);
         for (w, &word) in chunk.iter().enumerate() {
             let mut bits = word;
             while bits != 0 {

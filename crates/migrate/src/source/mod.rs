@@ -7,6 +7,7 @@
 //! The VM is never lost: any failure before COMMIT is written resumes the
 //! source VM; once COMMIT is written the source never resumes on its own.
 
+pub mod busy;
 pub mod encode;
 pub mod engine;
 pub mod error;

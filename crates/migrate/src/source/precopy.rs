@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use tsubame_vmm::DirtyBitmap;
 
+use super::busy::StageWork;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
 use super::policy::{postcopy_choice, Decision, Handover};
@@ -14,7 +15,7 @@ use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
 use crate::protocol::{Digest, FrameKind, SourceState};
-use crate::stats::{IterationStats, StopReason};
+use crate::stats::{thread_cpu_time, IterationStats, StopReason};
 
 /// Unhashed pages (4 MiB) above which a converged pre-copy lets the
 /// digest catch up before it pauses the guest: hashing in the downtime ran
@@ -237,8 +238,7 @@ impl SourceRun<'_> {
         let vm = self.vm;
         let started = Instant::now();
         let bytes_before = self.engine().bytes();
-        let work_before = self.engine().page_work();
-        let send_before = self.engine().send_busy();
+        let work_before = self.engine().work();
         let dirty_pages = bitmap.count();
         let throttle = self.policy.auto_converge.fraction;
         let mut it = IterationStats { index: iteration, dirty_pages, throttle, ..Default::default() };
@@ -306,6 +306,7 @@ impl SourceRun<'_> {
                 }
             }
             let fetch_start = Instant::now();
+            let fetch_cpu = thread_cpu_time();
             let picked = fetcher.pick(vm, first_page, chunk)?;
             let mut fetching = fetch_start.elapsed();
             if picked > 0 {
@@ -330,7 +331,7 @@ impl SourceRun<'_> {
                 watch.sent(first_page, chunk.len() as u64 * 64);
             }
             let engine = self.engine();
-            engine.fetched(fetching);
+            engine.fetched(StageWork { wall: fetching, cpu: thread_cpu_time().saturating_sub(fetch_cpu) });
             remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum::<u64>());
             let wire_bytes = engine.bytes();
             self.progress.update(|p| {
@@ -363,10 +364,11 @@ impl SourceRun<'_> {
         it.pages_sent = self.engine().end_iteration(iteration)?;
         it.bytes_on_wire = self.engine().bytes() - bytes_before;
         it.duration_ms = ms(started.elapsed());
-        let work = self.engine().page_work();
-        let fetch = (work.0 - work_before.0).saturating_sub(fetcher.bookkeeping);
-        it.work_ms = ms(fetch + (work.1 - work_before.1));
-        it.send_ms = ms(self.engine().send_busy() - send_before);
+        let work = self.engine().work() - work_before;
+        let fetch = work.fetch - fetcher.bookkeeping;
+        it.work_ms = ms(fetch.wall + work.encode.wall);
+        it.work_cpu_ms = ms(fetch.cpu + work.encode.cpu);
+        it.send_ms = ms(work.send.wall);
         self.stats.pages_sent += it.pages_sent;
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
