@@ -35,6 +35,13 @@ pub struct StageWork {
     pub cpu: Duration,
 }
 
+impl std::ops::AddAssign for StageWork {
+    fn add_assign(&mut self, more: StageWork) {
+        self.wall += more.wall;
+        self.cpu += more.cpu;
+    }
+}
+
 impl std::ops::Sub for StageWork {
     type Output = StageWork;
     fn sub(self, before: StageWork) -> StageWork {
@@ -61,13 +68,30 @@ impl std::ops::Sub for PipelineWork {
     }
 }
 
+/// Both clocks of the calling thread from a start: a piece of work's
+/// [`StageWork`].
+pub struct Stopwatch {
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl Stopwatch {
+    pub fn start() -> Stopwatch {
+        Stopwatch { wall: Instant::now(), cpu: thread_cpu_time() }
+    }
+
+    /// The work since the start (on the thread that started it).
+    pub fn elapsed(&self) -> StageWork {
+        StageWork { wall: self.wall.elapsed(), cpu: thread_cpu_time().saturating_sub(self.cpu) }
+    }
+}
+
 /// Runs `work`, adding its time to `stats` and to the live counter.
 pub(super) fn timed<T>(stats: &mut StageStats, live: &Busy, work: impl FnOnce() -> T) -> T {
-    let start = Instant::now();
-    let cpu = thread_cpu_time();
+    let watch = Stopwatch::start();
     let result = work();
-    let wall = start.elapsed();
-    stats.busy_seconds += wall.as_secs_f64();
-    live.add(wall, thread_cpu_time().saturating_sub(cpu));
+    let took = watch.elapsed();
+    stats.busy_seconds += took.wall.as_secs_f64();
+    live.add(took.wall, took.cpu);
     result
 }

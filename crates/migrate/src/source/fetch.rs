@@ -10,10 +10,9 @@ use tsubame_vmm::{memory, DirtyBitmap, GuestMemory, VmError, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 use xxhash_rust::xxh3::xxh3_128;
 
-use super::busy::StageWork;
+use super::busy::{StageWork, Stopwatch};
 use super::vm::SourceVm;
 use crate::digest::{page_hash, FarPageHashes};
-use crate::stats::thread_cpu_time;
 
 /// Reads dirty pages into batches.
 pub struct Fetcher {
@@ -162,8 +161,7 @@ impl Fetcher {
     /// out. Returns how many it picked, for [`Fetcher::fill`].
     pub fn pick(&mut self, vm: &dyn SourceVm, first_page: u64, chunk: &[u64]) -> Result<usize, VmError> {
         self.picked.clear();
-        let started = std::time::Instant::now();
-        let cpu = thread_cpu_time();
+        let started = Stopwatch::start();
         if !self.paused {
             vm.clear_dirty_log(first_page, chunk)?;
         }
@@ -174,8 +172,7 @@ impl Fetcher {
         if !ask || self.pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first_page, populated).is_err()) {
             populated.fill(true);
         }
-        self.bookkeeping.wall += started.elapsed();
-        self.bookkeeping.cpu += thread_cpu_time().saturating_sub(cpu);
+        self.bookkeeping += started.elapsed();
         for (w, &word) in chunk.iter().enumerate() {
             let mut bits = word;
             while bits != 0 {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use tsubame_vmm::DirtyBitmap;
 
-use super::busy::StageWork;
+use super::busy::Stopwatch;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
 use super::policy::{postcopy_choice, Decision, Handover};
@@ -15,7 +15,7 @@ use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
 use crate::options::PostcopyMode;
 use crate::protocol::{Digest, FrameKind, SourceState};
-use crate::stats::{thread_cpu_time, IterationStats, StopReason};
+use crate::stats::{IterationStats, StopReason};
 
 /// Unhashed pages (4 MiB) above which a converged pre-copy lets the
 /// digest catch up before it pauses the guest: hashing in the downtime ran
@@ -305,8 +305,7 @@ impl SourceRun<'_> {
                     break;
                 }
             }
-            let fetch_start = Instant::now();
-            let fetch_cpu = thread_cpu_time();
+            let fetch_start = Stopwatch::start();
             let picked = fetcher.pick(vm, first_page, chunk)?;
             let mut fetching = fetch_start.elapsed();
             if picked > 0 {
@@ -322,7 +321,7 @@ impl SourceRun<'_> {
                         batch
                     }
                 };
-                let fill_start = Instant::now();
+                let fill_start = Stopwatch::start();
                 fetcher.fill(vm, &mut batch)?;
                 fetching += fill_start.elapsed();
                 open = Some(batch);
@@ -331,7 +330,7 @@ impl SourceRun<'_> {
                 watch.sent(first_page, chunk.len() as u64 * 64);
             }
             let engine = self.engine();
-            engine.fetched(StageWork { wall: fetching, cpu: thread_cpu_time().saturating_sub(fetch_cpu) });
+            engine.fetched(fetching);
             remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum::<u64>());
             let wire_bytes = engine.bytes();
             self.progress.update(|p| {
