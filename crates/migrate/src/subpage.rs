@@ -130,6 +130,9 @@ pub struct SubpageTracker {
     detector: Detector,
     shadow: Vec<u8>,
     hashes: Vec<u64>,
+    /// Where the table in use starts in its vector: at an OS page, see
+    /// [`page_aligned_start`].
+    start: usize,
     zero_hash: u64,
     /// Which bits of a hash count (all of them, unless a test forges
     /// collisions).
@@ -145,12 +148,24 @@ impl SubpageTracker {
     pub fn new(detector: Detector, granularity: u32, pages: u64, hash_mask: u64) -> SubpageTracker {
         let granularity = granularity as usize;
         let per_page = PAGE_SIZE / granularity;
-        let (shadow, hashes) = match detector {
-            // vec![0; n] of this size comes from calloc: lazily zeroed pages.
-            Detector::Shadow => (vec![0u8; pages as usize * PAGE_SIZE], Vec::new()),
-            Detector::Hash => (Vec::new(), vec![0u64; pages as usize * per_page]),
+        // vec![0; n] of this size comes from calloc: lazily zeroed pages,
+        // one more than the table needs, to start it at an OS page.
+        let (shadow, hashes, start) = match detector {
+            Detector::Shadow => {
+                let shadow = vec![0u8; (pages as usize + 1) * PAGE_SIZE];
+                let start = page_aligned_start(&shadow);
+                (shadow, Vec::new(), start)
+            }
+            Detector::Hash => {
+                let hashes = vec![0u64; pages as usize * per_page + PAGE_SIZE / 8];
+                let start = page_aligned_start(&hashes);
+                (Vec::new(), hashes, start)
+            }
         };
-        let memory_bytes = (shadow.len() + hashes.len() * 8) as u64;
+        let memory_bytes = match detector {
+            Detector::Shadow => pages * PAGE_SIZE as u64,
+            Detector::Hash => pages * per_page as u64 * 8,
+        };
         let table_pages = memory_bytes.div_ceil(PAGE_SIZE as u64);
         SubpageTracker {
             granularity,
@@ -158,6 +173,7 @@ impl SubpageTracker {
             detector,
             shadow,
             hashes,
+            start,
             zero_hash: xxh3_64(&vec![0u8; granularity]) & hash_mask,
             hash_mask,
             written: vec![0u64; table_pages.div_ceil(64) as usize],
@@ -191,7 +207,7 @@ impl SubpageTracker {
         let resent;
         match self.detector {
             Detector::Shadow => {
-                let held = &mut self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE];
+                let held = &mut self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE];
                 resent = !fresh && !is_zero((&*held).try_into().expect("a page"));
                 let was_zero = [0u8; PAGE_SIZE];
                 let was: &[u8] = if fresh { &was_zero } else { held };
@@ -211,7 +227,7 @@ impl SubpageTracker {
                 for (h, bytes) in now.iter_mut().zip(page.chunks_exact(g)) {
                     *h = (xxh3_64(bytes) & self.hash_mask) ^ self.zero_hash;
                 }
-                let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
+                let held = &mut self.hashes[self.start + index as usize * self.per_page..][..self.per_page];
                 resent = !fresh && held.iter().any(|&h| h != 0);
                 for (i, &h) in now.iter().enumerate() {
                     if h != if fresh { 0 } else { held[i] } {
@@ -264,9 +280,11 @@ impl SubpageTracker {
     pub fn diff_zero(&mut self, index: u64) -> Change {
         let held_zero = !self.is_written(index)
             || match self.detector {
-                Detector::Shadow => is_zero(self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().unwrap()),
+                Detector::Shadow => {
+                    is_zero(self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().unwrap())
+                }
                 Detector::Hash => {
-                    self.hashes[index as usize * self.per_page..][..self.per_page].iter().all(|&h| h == 0)
+                    self.hashes[self.start + index as usize * self.per_page..][..self.per_page].iter().all(|&h| h == 0)
                 }
             };
         if held_zero {
@@ -310,15 +328,33 @@ impl SubpageTracker {
     pub fn set(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.mark_written(index);
         match self.detector {
-            Detector::Shadow => self.shadow[index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page),
+            Detector::Shadow => {
+                self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page)
+            }
             Detector::Hash => {
                 let g = self.granularity;
-                let held = &mut self.hashes[index as usize * self.per_page..][..self.per_page];
+                let held = &mut self.hashes[self.start + index as usize * self.per_page..][..self.per_page];
                 for (now, was) in page.chunks_exact(g).zip(held.iter_mut()) {
                     *was = (xxh3_64(now) & self.hash_mask) ^ self.zero_hash;
                 }
             }
         }
+    }
+}
+
+/// The first index of `table` at an OS page boundary. The tracker counts
+/// the table's pages as written or not, and reads an entry only on a
+/// written one; an entry across two pages (a calloc'd table starts 16 bytes
+/// past one) would read the next, unwritten one and map the kernel's shared
+/// zero page there, whose first write then shoots down every CPU's TLB: a
+/// kv migration's encoder spent half its time in those 11803 faults
+/// (docs/results.md, 2026-11-27).
+fn page_aligned_start<T>(table: &[T]) -> usize {
+    let past = table.as_ptr() as usize % PAGE_SIZE;
+    if past == 0 {
+        0
+    } else {
+        (PAGE_SIZE - past) / std::mem::size_of::<T>()
     }
 }
 
@@ -368,6 +404,17 @@ mod tests {
             let resident = if detector == Detector::Shadow { 8192 } else { 4096 };
             assert_eq!(t.stats.memory_resident_bytes, resident);
         }
+    }
+
+    #[test]
+    fn tables_start_at_an_os_page() {
+        let shadow = SubpageTracker::new(Detector::Shadow, 128, 3, u64::MAX);
+        assert_eq!(shadow.shadow[shadow.start..].as_ptr() as usize % PAGE_SIZE, 0);
+        assert!(shadow.shadow.len() - shadow.start >= 3 * PAGE_SIZE);
+        let hash = SubpageTracker::new(Detector::Hash, 128, 3, u64::MAX);
+        assert_eq!(hash.hashes[hash.start..].as_ptr() as usize % PAGE_SIZE, 0);
+        assert!(hash.hashes.len() - hash.start >= 3 * 32);
+        assert_eq!((shadow.stats.memory_bytes, hash.stats.memory_bytes), (3 * 4096, 3 * 32 * 8));
     }
 
     #[test]
