@@ -207,7 +207,7 @@ impl SubpageTracker {
         let resent;
         match self.detector {
             Detector::Shadow => {
-                let held = &mut self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE];
+                let held = self.held_bytes(index);
                 resent = !fresh && !is_zero((&*held).try_into().expect("a page"));
                 let was_zero = [0u8; PAGE_SIZE];
                 let was: &[u8] = if fresh { &was_zero } else { held };
@@ -227,7 +227,7 @@ impl SubpageTracker {
                 for (h, bytes) in now.iter_mut().zip(page.chunks_exact(g)) {
                     *h = (xxh3_64(bytes) & self.hash_mask) ^ self.zero_hash;
                 }
-                let held = &mut self.hashes[self.start + index as usize * self.per_page..][..self.per_page];
+                let held = self.held_hashes(index);
                 resent = !fresh && held.iter().any(|&h| h != 0);
                 for (i, &h) in now.iter().enumerate() {
                     if h != if fresh { 0 } else { held[i] } {
@@ -280,12 +280,8 @@ impl SubpageTracker {
     pub fn diff_zero(&mut self, index: u64) -> Change {
         let held_zero = !self.is_written(index)
             || match self.detector {
-                Detector::Shadow => {
-                    is_zero(self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().unwrap())
-                }
-                Detector::Hash => {
-                    self.hashes[self.start + index as usize * self.per_page..][..self.per_page].iter().all(|&h| h == 0)
-                }
+                Detector::Shadow => is_zero((&*self.held_bytes(index)).try_into().expect("a page")),
+                Detector::Hash => self.held_hashes(index).iter().all(|&h| h == 0),
             };
         if held_zero {
             self.stats.pages_unchanged += 1;
@@ -295,6 +291,16 @@ impl SubpageTracker {
             self.stats.pages_zeroed += 1;
             Change::Zero
         }
+    }
+
+    /// The shadow's copy of guest page `index`.
+    fn held_bytes(&mut self, index: u64) -> &mut [u8] {
+        &mut self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE]
+    }
+
+    /// The hashes of guest page `index`'s sub-pages.
+    fn held_hashes(&mut self, index: u64) -> &mut [u64] {
+        &mut self.hashes[self.start + index as usize * self.per_page..][..self.per_page]
     }
 
     /// The `written` word and bit of guest page `index`'s table page.
@@ -328,14 +334,11 @@ impl SubpageTracker {
     pub fn set(&mut self, index: u64, page: &[u8; PAGE_SIZE]) {
         self.mark_written(index);
         match self.detector {
-            Detector::Shadow => {
-                self.shadow[self.start + index as usize * PAGE_SIZE..][..PAGE_SIZE].copy_from_slice(page)
-            }
+            Detector::Shadow => self.held_bytes(index).copy_from_slice(page),
             Detector::Hash => {
-                let g = self.granularity;
-                let held = &mut self.hashes[self.start + index as usize * self.per_page..][..self.per_page];
-                for (now, was) in page.chunks_exact(g).zip(held.iter_mut()) {
-                    *was = (xxh3_64(now) & self.hash_mask) ^ self.zero_hash;
+                let (g, mask, zero) = (self.granularity, self.hash_mask, self.zero_hash);
+                for (now, was) in page.chunks_exact(g).zip(self.held_hashes(index)) {
+                    *was = (xxh3_64(now) & mask) ^ zero;
                 }
             }
         }
