@@ -1041,8 +1041,7 @@ def run_cases(args, out_dir):
             names = [n for n in case.configs if not args.configs or n in args.configs.split(",")]
             reps = args.repetitions or case.repetitions
             for rep in range(1, reps + 1):
-                order = names if rep % 2 else list(reversed(names))  # alternate to spread drift over VMMs
-                for name in order:
+                for name in run_order(names, configs, rep):
                     config = configs[name]
                     print(f"compare: {case.name}/{name}#{rep}: {case.memory} {case.workload} "
                           f"{case.args} link {case.link} ...", file=sys.stderr, flush=True)
@@ -1064,6 +1063,27 @@ def run_cases(args, out_dir):
         return runs, failures
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_order(names: list[str], configs: dict, rep: int) -> list[str]:
+    """The order of one repetition's runs: the configurations grouped by VMM
+    (in the order the first of each comes), each group rotated by one per
+    repetition. A tsubame run right after a QEMU run took 5-10 % longer
+    than the same configuration after another tsubame run (medians over
+    three full runs), and with the order reversed every other repetition
+    tsubame-auto was that run in two of three, the fixed granularities it
+    is compared with never (docs/results.md, 2026-11-27).
+    Rotated, each configuration of a group comes first in as many
+    repetitions as the others (with as many repetitions as the group has
+    configurations)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(configs[name].vmm, []).append(name)
+    order = []
+    for group in groups.values():
+        k = (rep - 1) % len(group)
+        order += group[k:] + group[:k]
+    return order
 
 
 def main(argv=None):

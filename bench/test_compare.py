@@ -291,6 +291,18 @@ def test_table_text():
     assert "| b | none completed | 1/1 | – | – | 450 | – |" in table
 
 
+def test_run_order_rotates_each_vmm_group():
+    configs = {n: compare.VmmConfig(name=n, vmm=n.split("-")[0], args=[]) for n in
+               ["qemu-default", "qemu-xbzrle", "tsubame-auto", "tsubame-4096", "tsubame-spp128"]}
+    names = list(configs)
+    orders = [compare.run_order(names, configs, rep) for rep in (1, 2, 3)]
+    assert orders[0] == names
+    assert orders[1] == ["qemu-xbzrle", "qemu-default", "tsubame-4096", "tsubame-spp128", "tsubame-auto"]
+    # Each tsubame configuration follows the QEMU runs once in three.
+    assert sorted(order[2] for order in orders) == sorted(["tsubame-auto", "tsubame-4096", "tsubame-spp128"])
+    assert all(sorted(order) == sorted(names) for order in orders)
+
+
 def test_auto_against_the_better_fixed_granularity():
     runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
     auto = [r for r in runs if r["config"] == "tsubame-auto"]
