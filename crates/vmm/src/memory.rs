@@ -124,7 +124,7 @@ pub fn advise_hugepages(mem: &GuestMemory) {
 pub fn populate(mem: &GuestMemory, first: u64, pages: u64) {
     let Some((base, len)) = single_mapping(mem) else { return };
     let start = (first as usize).saturating_mul(PAGE_SIZE).min(len);
-    let end = ((first + pages) as usize).saturating_mul(PAGE_SIZE).min(len);
+    let end = (first.saturating_add(pages) as usize).saturating_mul(PAGE_SIZE).min(len);
     if start < end {
         // SAFETY: start..end lies inside guest memory's one mapping, and
         // MADV_POPULATE_WRITE backs its pages without changing their
@@ -298,8 +298,9 @@ mod tests {
         read_page(&mem, 260, &mut back).unwrap();
         assert_eq!(back, [0u8; PAGE_SIZE]);
         // Clipped to guest memory.
-        populate(&mem, 4090, 100);
+        populate(&mem, 4090, u64::MAX);
         assert!(!pagemap.unpopulated(&mem, 4090 * PAGE_SIZE as u64, 6 * PAGE_SIZE as u64).unwrap());
+        populate(&mem, u64::MAX, 1);
     }
 
     #[test]
