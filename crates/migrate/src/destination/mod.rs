@@ -11,6 +11,7 @@ mod apply;
 mod dispatch;
 mod error;
 pub mod landing;
+mod leftovers;
 mod options;
 pub mod postcopy;
 mod receiver;

@@ -18,6 +18,7 @@ use super::apply::{PageMarks, ShardWorker};
 use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
 use super::error::ReceiveError;
 use super::landing::{announce_running, Landing, WarmDisk};
+use super::leftovers::Leftovers;
 use super::options::ReceiveOptions;
 use super::postcopy::{self, write_flushed, BackChannel, PostcopyHandle, PostcopyShared, Reconnect};
 use super::warm::WarmFill;
@@ -70,8 +71,9 @@ struct Session {
 
 /// How pre-copy's memory phase ended.
 enum MemoryEnd {
-    /// STATE arrived and the memory verified: the VM's state.
-    State(Vec<u8>),
+    /// STATE arrived, the VM's state is loaded and the memory verified:
+    /// the two digests compared, to free after RESUMED.
+    Verified([Vec<u64>; 2]),
     /// The source switched to post-copy (true: with POSTCOPY at once), or
     /// is about to (false: POSTCOPY_PREPARE).
     Postcopy(PostcopyStart, bool),
@@ -89,34 +91,6 @@ pub(super) struct Outcome {
     pub(super) postcopy: Option<PostcopyHandle>,
     /// To drop once the source heard that the VM runs here.
     pub(super) leftovers: Option<Leftovers>,
-}
-
-/// What a receive frees once the source heard that the VM runs: the
-/// digest's tables (megabytes), channel 0's dispatcher and the one
-/// channel's decoders, to join.
-/// Done before READY or RESUMED, it took about a millisecond of the
-/// downtime.
-pub(super) struct Leftovers {
-    _digest: Option<BackgroundDigest>,
-    /// Channel 0's dispatcher: dropping it frees its pool of frame
-    /// buffers and ends the decoders it feeds, which free theirs (0.8-1.3
-    /// ms of a bwmem guest's verify).
-    main: Option<Dispatcher>,
-    decoders: Vec<std::thread::JoinHandle<()>>,
-    /// Channel 0's reader and the last frame's buffer, freed after
-    /// RESUMED: freeing them once the vCPU ran took ~0.08 ms of the
-    /// 0.2-0.3 ms from its start to RESUMED (timed, 3 runs against 7).
-    _buffers: Option<(Box<dyn Read + Send>, Vec<u8>)>,
-}
-
-impl Drop for Leftovers {
-    fn drop(&mut self) {
-        // With one channel its decoders end once their queues close.
-        drop(self.main.take());
-        for decoder in self.decoders.drain(..) {
-            let _ = decoder.join();
-        }
-    }
 }
 
 impl<'a> StreamReceiver<'a> {
@@ -162,7 +136,7 @@ impl<'a> StreamReceiver<'a> {
         self.opens_storage = landing.opens_storage();
         let session = self.accept(&hello, &mut reader, writer, landing, channels)?;
         self.state = ReceiverState::Iterating;
-        let result = self.receive_memory(&mut reader, writer, &session);
+        let result = self.receive_memory(&mut reader, writer, &session, landing);
         let Session { mem, shared, main, readers, workers, urgent, far, digest } = session;
         // Post-copy starts from the hash of every page held now.
         let postcopy = matches!(result, Ok(MemoryEnd::Postcopy(..)));
@@ -190,11 +164,10 @@ impl<'a> StreamReceiver<'a> {
         // the source closes its channels; nothing waits for that.
         let decoders = if readers.is_empty() { workers } else { Vec::new() };
         drop(readers);
-        let mut leftovers = Leftovers { _digest: digest, main: Some(main), decoders, _buffers: None };
+        let mut leftovers = Leftovers { _digest: digest, main: Some(main), decoders, _buffers: None, _hashes: None };
         match end {
-            MemoryEnd::State(state) => {
-                let disk_cache = self.finish_warm();
-                landing.restore(&state, disk_cache)?;
+            MemoryEnd::Verified(hashes) => {
+                leftovers._hashes = Some(hashes);
                 // From READY to RESUMED every step blocks or ends within a
                 // millisecond: this thread runs without waiting for a CPU
                 // (behind the vCPU it just started, RESUMED went out up to
@@ -491,13 +464,14 @@ impl<'a> StreamReceiver<'a> {
         Ok(FarMap { local_bytes: setup.local_bytes, stores: setup.stores, far, hashes })
     }
 
-    /// Pages until STATE, then the digest check and repair passes; returns
-    /// the VM state once the memory matches.
+    /// Pages until STATE, which is loaded into `landing`, then the digest
+    /// check and repair passes.
     fn receive_memory(
         &mut self,
         reader: &mut impl Read,
         writer: &BackChannel,
         session: &Session,
+        landing: &mut dyn Landing,
     ) -> Result<MemoryEnd, ReceiveError> {
         let Session { mem, shared, main, digest, .. } = session;
         let with_failure = |e: ReceiveError| shared.take_failure().unwrap_or(e);
@@ -550,6 +524,10 @@ impl<'a> StreamReceiver<'a> {
         };
         self.state = ReceiverState::AwaitDigest;
         self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
+        // The vCPU's state loads while the last pages land (0.08 ms here):
+        // it touches no guest memory, and the guest runs only on COMMIT.
+        let disk_cache = self.finish_warm();
+        landing.restore(&state, disk_cache)?;
         // Every channel's last pages are applied, their hashes handed
         // over, before the digest is read.
         shared.wait_applied(final_iteration)?;
@@ -594,6 +572,6 @@ impl<'a> StreamReceiver<'a> {
             ours = digest.hashes();
             theirs = Digest::decode(&self.frame.buf, digest.region(), ours.len())?;
         }
-        Ok(MemoryEnd::State(state))
+        Ok(MemoryEnd::Verified([ours, theirs.hashes]))
     }
 }

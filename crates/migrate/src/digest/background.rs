@@ -24,6 +24,8 @@ pub struct BackgroundDigest {
 enum Request {
     /// Pages to hash again, and pages known to be zeros.
     Mark(DirtyBitmap, Option<DirtyBitmap>),
+    /// Pages to hash again, listed (a few).
+    MarkPages(Vec<u64>),
     /// The digest, answered ahead of every normal thread when `first`.
     Hashes { reply: crossbeam_channel::Sender<Vec<u64>>, first: bool },
     /// Each page's hash, handed over: the digest ends with it.
@@ -72,6 +74,10 @@ impl BackgroundDigest {
                 let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
                 let mut taken = stale;
                 let mut awaited = DirtyBitmap::new(memory::page_count(&mem));
+                // The next answer's buffer, written once already: a fresh
+                // one faults in on the copy (a 4 GiB guest's 128 KiB took
+                // ~0.05 ms of a stop's, on both ends).
+                let mut spare = touched(digest.hashes().len());
                 while let Ok(first) = rx.recv() {
                     // Take every request queued so far, then hash once.
                     let mut waiting = Vec::new();
@@ -86,6 +92,11 @@ impl BackgroundDigest {
                                     awaited.subtract(&zeros);
                                     digest.known_zero(&zeros);
                                 }
+                            }
+                            Request::MarkPages(pages) => {
+                                pages.iter().for_each(|&page| awaited.unset(page));
+                                taken += pages.len() as u64;
+                                digest.mark_pages(pages.into_iter());
                             }
                             Request::Await(pages) => {
                                 digest.unmark(&pages);
@@ -120,12 +131,25 @@ impl BackgroundDigest {
                     thread_backlog.fetch_sub(std::mem::take(&mut taken), Ordering::Relaxed);
                     for request in waiting {
                         match request {
-                            Request::Hashes { reply, .. } => drop(reply.send(digest.hashes().to_vec())),
+                            Request::Hashes { reply, first } => {
+                                let mut answer = std::mem::take(&mut spare);
+                                answer.clear();
+                                answer.extend_from_slice(digest.hashes());
+                                drop(reply.send(answer));
+                                // Not in a stop: another answer may come.
+                                if !first {
+                                    spare = touched(digest.hashes().len());
+                                }
+                            }
                             Request::TakePageHashes(reply) => {
                                 drop(reply.send(digest.take_page_hashes()));
                                 return;
                             }
-                            Request::Mark(..) | Request::Await(_) | Request::Known(_) | Request::Stop => {}
+                            Request::Mark(..)
+                            | Request::MarkPages(_)
+                            | Request::Await(_)
+                            | Request::Known(_)
+                            | Request::Stop => {}
                         }
                     }
                 }
@@ -153,6 +177,15 @@ impl BackgroundDigest {
         }
         self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages, zeros));
+    }
+
+    /// Hands over these pages to hash: a short list, where a bitmap of
+    /// all memory would cost more than the pages.
+    pub fn mark_pages(&self, pages: Vec<u64>) {
+        if !pages.is_empty() {
+            self.backlog.fetch_add(pages.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            let _ = self.requests.send(Request::MarkPages(pages));
+        }
     }
 
     /// Pages whose hashes a reader of paused memory hands over through
@@ -212,6 +245,14 @@ impl BackgroundDigest {
     }
 }
 
+/// A buffer for `len` hashes with every page of it written.
+#[allow(clippy::slow_vector_initialization)] // Writing is the point: vec![0; n] leaves pages to fault in.
+fn touched(len: usize) -> Vec<u64> {
+    let mut buffer = Vec::with_capacity(len);
+    buffer.resize(len, 0);
+    buffer
+}
+
 /// Hands pages' hashes to a [`BackgroundDigest`] (see
 /// [`BackgroundDigest::await_hashes`]).
 #[derive(Clone)]
@@ -264,6 +305,12 @@ mod tests {
         memory::write(&mem, 4096, &[5]).unwrap();
         digest.mark(dirty);
         assert!(digest.backlog_pages() <= 3);
+        assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
+        assert_eq!(digest.backlog_pages(), 0);
+        // Listed pages count and hash as marked ones do.
+        memory::write(&mem, 4000 * 4096, &[6]).unwrap();
+        digest.mark_pages(vec![4000]);
+        assert_eq!(digest.backlog_pages(), 1);
         assert_eq!(digest.hashes(), memory_digest(&mem, 256 << 10, 1));
         assert_eq!(digest.backlog_pages(), 0);
     }

@@ -87,8 +87,13 @@ impl IncrementalDigest {
 
     /// Marks the pages set in `dirty` to be hashed again.
     pub fn mark(&mut self, dirty: &DirtyBitmap) {
+        self.mark_pages(dirty.iter());
+    }
+
+    /// Marks these pages to be hashed again.
+    pub fn mark_pages(&mut self, pages: impl Iterator<Item = u64>) {
         let per_region = self.pages_per_region();
-        for page in dirty.iter() {
+        for page in pages {
             if let Some(mark) = self.stale_pages.get_mut(page as usize) {
                 self.stale_count += usize::from(!*mark);
                 *mark = true;

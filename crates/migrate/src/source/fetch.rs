@@ -12,7 +12,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use super::busy::{StageWork, Stopwatch};
 use super::vm::SourceVm;
-use crate::digest::{page_hash, FarPageHashes};
+use crate::digest::{page_hash, zero_page_hash, FarPageHashes};
 
 /// Reads dirty pages into batches.
 pub struct Fetcher {
@@ -203,6 +203,31 @@ impl Fetcher {
         Ok(self.picked.len())
     }
 
+    /// In the stop, after the last page: the hash of each page of `dirty`
+    /// that is known without reading it again (those read, in page order,
+    /// and the zeros), and the pages not read (left in guest memory for
+    /// zero-copy, or still on the memory host), for the digest to read.
+    /// Lists, not bitmaps of all memory: two copies of a 4 GiB guest's
+    /// bitmap took 0.11 ms of a one-page stop, most of it faulting in
+    /// fresh memory. The zeros are taken.
+    pub fn stop_hashes(&mut self, dirty: &DirtyBitmap) -> (Vec<(u64, u64)>, Vec<u64>) {
+        let mut hashes = self.hashes.take().unwrap_or_default();
+        let zeros = std::mem::replace(&mut self.zeros, DirtyBitmap::new(0));
+        debug_assert!(hashes.is_sorted_by_key(|&(page, _)| page), "fetched in page order");
+        let (read, zero) = (hashes.len(), zero_page_hash());
+        let (mut next, mut unread) = (0, Vec::new());
+        for page in dirty.iter() {
+            if next < read && hashes[next].0 == page {
+                next += 1;
+            } else if zeros.get(page) {
+                hashes.push((page, zero));
+            } else {
+                unread.push(page);
+            }
+        }
+        (hashes, unread)
+    }
+
     /// Adds the pages just picked to `batch` (cleared for its iteration and
     /// shard, with room for them), reading those with data.
     pub fn fill(&mut self, vm: &dyn SourceVm, batch: &mut Batch) -> Result<(), VmError> {
@@ -289,5 +314,23 @@ impl Batch {
     /// The bytes of the batch's `i`th page.
     pub fn page(&self, i: usize) -> &[u8; PAGE_SIZE] {
         self.pages[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].try_into().unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_hands_the_digest_every_hash_it_knows_and_lists_the_rest() {
+        let mut fetcher = Fetcher::new(64, DirtyBitmap::new(256), true, false);
+        fetcher.hashes = Some(vec![(1, 11), (5, 55)]);
+        fetcher.zeros.set(3);
+        let mut dirty = DirtyBitmap::new(256);
+        [1, 3, 5, 7].into_iter().for_each(|p| dirty.set(p));
+        let (hashes, unread) = fetcher.stop_hashes(&dirty);
+        assert_eq!(hashes, vec![(1, 11), (5, 55), (3, zero_page_hash())]);
+        assert_eq!(unread, vec![7], "neither read nor zero: the digest reads it");
+        assert!(fetcher.hashes.is_none() && fetcher.zeros.is_empty(), "taken");
     }
 }

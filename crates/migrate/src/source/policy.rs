@@ -94,17 +94,17 @@ const MAX_IDLE_LINK: f64 = 10.0;
 
 /// The stop's work besides sending pages and waiting for round trips, on
 /// both ends: pausing the vCPU and saving its state, the last look at the
-/// dirty log, both digests' last pages, restoring and starting the vCPU at
-/// the destination. Measured on this 2-core host for gmigrate-best's
-/// stops of 1-9 pages: 0.69-1.01 ms of VMM downtime, of which 0.1-0.35 ms
-/// the pipeline's latency ([`LATENCY`]) and ~0.05 ms two round trips;
-/// in timed runs 0.06-0.3 ms pausing, 0.1-0.3 the source's digest, 0.08
-/// restoring and 0.08 starting the vCPU at the destination. (1.2-1.9
-/// ms before both ends ran the commit's round trip under SCHED_FIFO and
-/// the destination dropped channel 0's dispatcher after RESUMED; 0.85-1.1
-/// before idle CPUs polled through the stop.) Pausing the vCPU sometimes
-/// takes 3-60 ms, which no estimate foresees.
-const STOP_WORK: Duration = Duration::from_micros(600);
+/// dirty log, both digests' last pages, starting the vCPU at the
+/// destination (its state loads while the last pages land). Measured on
+/// this 2-core host for an idle 4 GiB guest's stops of 1-2 pages: 0.42-0.57
+/// ms of VMM downtime, of which 0.1-0.15 ms the pipeline's latency
+/// ([`LATENCY`]) and ~0.05 ms two round trips; in timed runs 0.05-0.07 ms
+/// pausing, 0.15-0.24 from the digest's last frame to READY, 0.07-0.13 the
+/// commit. (0.69-1.01 ms before the stop's digest took lists, not copies
+/// of whole-memory bitmaps, and the destination loaded the state before
+/// the check; 1.2-1.9 before the commit ran under SCHED_FIFO.) Pausing
+/// the vCPU sometimes takes 3-60 ms, which no estimate foresees.
+const STOP_WORK: Duration = Duration::from_micros(400);
 
 /// What to do after an iteration.
 #[derive(Debug, Clone, Copy, PartialEq)]

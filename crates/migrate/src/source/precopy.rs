@@ -253,7 +253,9 @@ impl SourceRun<'_> {
         let chunks: Vec<(u64, &[u64])> = bitmap.chunks((layout.batch_pages / 64) as usize).collect();
         let order: Vec<usize> =
             if watch.is_some() { strided(chunks.len()).collect() } else { (0..chunks.len()).collect() };
-        let mut peek = vm.dirty_bitmap();
+        // Only a watch looks (a bitmap of all memory per stop cost it
+        // faults).
+        let mut peek = if watch.is_some() { vm.dirty_bitmap() } else { DirtyBitmap::new(0) };
         if let Some(watch) = &mut watch {
             vm.clear_dirty_log(0, &watch.probe(bitmap))?;
         }
@@ -350,13 +352,11 @@ impl SourceRun<'_> {
         // The stop: every last page is read and hashed, so the digest
         // takes them now and answers while the pipeline drains (asked
         // after STATE, its thread took 0.2-0.6 ms to wake and answer).
-        let digest = fetcher.hashes.take().map(|hashes| {
+        let digest = fetcher.hashes.is_some().then(|| {
             // Pages read come with their hashes and are not marked: a
             // mark would start the digest thread reading them again.
-            let mut unread = bitmap.clone();
-            hashes.iter().for_each(|&(page, _)| unread.unset(page));
-            let zeros = std::mem::replace(&mut fetcher.zeros, DirtyBitmap::new(0));
-            self.refresh_digest(&unread, Some(zeros));
+            let (hashes, unread) = fetcher.stop_hashes(bitmap);
+            self.digest().mark_pages(unread);
             self.digest().feed().known(hashes);
             self.digest().request_hashes_in_stop()
         });

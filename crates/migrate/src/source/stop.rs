@@ -70,9 +70,11 @@ impl SourceRun<'_> {
         let region_count = hashes.len();
         let region = self.options.digest_region;
         let whole = || Digest { region, hashes: hashes.clone() }.encode();
-        match self.digest_sent.take() {
+        // Freed after the stop (unmapping it shoots down TLB entries).
+        let sent_before = self.digest_sent.take();
+        match &sent_before {
             Some(before) => {
-                let update = DigestUpdate::between(region, &before, &hashes);
+                let update = DigestUpdate::between(region, before, &hashes);
                 self.write_control(FrameKind::DigestUpdate, &update.encode())?;
             }
             None => self.write_control(FrameKind::Digest, &whole())?,
