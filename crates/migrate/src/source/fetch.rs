@@ -161,18 +161,22 @@ impl Fetcher {
     /// out. Returns how many it picked, for [`Fetcher::fill`].
     pub fn pick(&mut self, vm: &dyn SourceVm, first_page: u64, chunk: &[u64]) -> Result<usize, VmError> {
         self.picked.clear();
-        let started = Stopwatch::start();
+        let ask = !self.paused || self.far.is_some();
+        // Timed only where there is something to time (a look at the CPU
+        // clock is a system call).
+        let started = ask.then(Stopwatch::start);
         if !self.paused {
             vm.clear_dirty_log(first_page, chunk)?;
         }
         // Pages the kernel never populated are zeros: don't read them
         // (reading would populate them, and cost a fault each).
         let populated = &mut self.populated[..chunk.len() * 64];
-        let ask = !self.paused || self.far.is_some();
         if !ask || self.pagemap.as_ref().is_none_or(|p| p.populated(vm.memory(), first_page, populated).is_err()) {
             populated.fill(true);
         }
-        self.bookkeeping += started.elapsed();
+        if let Some(started) = started {
+            self.bookkeeping += started.elapsed();
+        }
         for (w, &word) in chunk.iter().enumerate() {
             let mut bits = word;
             while bits != 0 {
