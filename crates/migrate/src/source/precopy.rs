@@ -301,6 +301,7 @@ impl SourceRun<'_> {
                         break false;
                     }
                 };
+                stretch = Stopwatch::start();
                 if handed {
                     // What is left of this iteration goes with post-copy.
                     let mut left = DirtyBitmap::new(bitmap.pages());
@@ -309,10 +310,8 @@ impl SourceRun<'_> {
                         left.words_mut()[(first / 64) as usize..end].copy_from_slice(words);
                     }
                     unsent = Some((left, watch.why()));
-                    stretch = Stopwatch::start();
                     break;
                 }
-                stretch = Stopwatch::start();
             }
             let picked = fetcher.pick(vm, first_page, chunk)?;
             if picked > 0 {
