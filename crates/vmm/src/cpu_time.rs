@@ -153,3 +153,50 @@ pub fn current_thread_id() -> libc::pid_t {
 pub fn normal_thread() {
     normal_thread_of(thread_id() as libc::pid_t);
 }
+
+/// The CPUs this process may run on (empty where the kernel does not say).
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain-old-data (all-zero bytes: the empty
+    // set); sched_getaffinity writes at most its size into it.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        set
+    };
+    // SAFETY: CPU_ISSET reads the set it is given, within its size.
+    (0..libc::CPU_SETSIZE as usize).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) }).collect()
+}
+
+/// The CPU the calling thread runs on now.
+pub fn current_cpu() -> Option<usize> {
+    // SAFETY: sched_getcpu has no preconditions.
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).ok()
+}
+
+/// Lets `thread` (a thread of this process) run only on `cpus`: for the
+/// stop, where two threads handing work to each other were both left on
+/// one CPU while the other idled. Best effort: false where it was refused.
+pub fn set_thread_cpus(thread: libc::pthread_t, cpus: &[usize]) -> bool {
+    if cpus.is_empty() {
+        return false;
+    }
+    // SAFETY: as in allowed_cpus; CPU_SET writes within the set, and
+    // pthread_setaffinity_np reads it; `thread` is a live thread of this
+    // process (its handle is held by the caller).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &cpu in cpus.iter().filter(|&&cpu| cpu < libc::CPU_SETSIZE as usize) {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The calling thread's pthread handle.
+pub fn this_pthread() -> libc::pthread_t {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() }
+}
