@@ -154,7 +154,8 @@ pub fn normal_thread() {
     normal_thread_of(thread_id() as libc::pid_t);
 }
 
-/// The CPUs this process may run on (empty where the kernel does not say).
+/// The CPUs the calling thread may run on (empty where the kernel does
+/// not say).
 pub fn allowed_cpus() -> Vec<usize> {
     // SAFETY: cpu_set_t is plain-old-data (all-zero bytes: the empty
     // set); sched_getaffinity writes at most its size into it.
