@@ -388,9 +388,9 @@ impl Engine {
     /// Until the iteration ends, keeps the calling thread (the fetch) on
     /// the CPU it runs on and the stage threads off it: in the stop, with
     /// the guest paused, each can have a CPU, but the scheduler woke an
-    /// encoder on the fetch's CPU and left it waiting there (up to 1.1 ms
-    /// of a 1.9 ms stop) while the other CPU idled. Nothing changes with
-    /// one CPU or the stages run in turn.
+    /// encoder on the fetch's CPU and left its batches waiting there (0.64
+    /// ms each, in a 2.9 ms stop) while the other CPU idled. Nothing
+    /// changes with one CPU or the stages run in turn.
     pub fn spread_stages(&mut self) {
         use std::os::unix::thread::JoinHandleExt;
         use tsubame_vmm::cpu_time::{allowed_cpus, current_cpu, set_thread_cpus, this_pthread};
