@@ -179,10 +179,11 @@ pub fn current_cpu() -> Option<usize> {
 
 /// Lets `thread` (a thread of this process) run only on `cpus`: for the
 /// stop, where two threads handing work to each other were both left on
-/// one CPU while the other idled. Best effort: false where it was refused.
-pub fn set_thread_cpus(thread: libc::pthread_t, cpus: &[usize]) -> bool {
+/// one CPU while the other idled. Best effort: a refusal (or no CPU
+/// named) leaves the thread as it was.
+pub fn set_thread_cpus(thread: libc::pthread_t, cpus: &[usize]) {
     if cpus.is_empty() {
-        return false;
+        return;
     }
     // SAFETY: as in allowed_cpus; CPU_SET writes within the set, and
     // pthread_setaffinity_np reads it; `thread` is a live thread of this
@@ -192,7 +193,7 @@ pub fn set_thread_cpus(thread: libc::pthread_t, cpus: &[usize]) -> bool {
         for &cpu in cpus.iter().filter(|&&cpu| cpu < libc::CPU_SETSIZE as usize) {
             libc::CPU_SET(cpu, &mut set);
         }
-        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 

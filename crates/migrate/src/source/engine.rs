@@ -392,32 +392,34 @@ impl Engine {
     /// ms each, in a 2.9 ms stop) while the other CPU idled. Nothing
     /// changes with one CPU or the stages run in turn.
     pub fn spread_stages(&mut self) {
-        use std::os::unix::thread::JoinHandleExt;
-        use tsubame_vmm::cpu_time::{allowed_cpus, current_cpu, set_thread_cpus, this_pthread};
-        let Mode::Threads { encoders, senders, .. } = &self.mode else { return };
-        let (all, Some(here)) = (allowed_cpus(), current_cpu()) else { return };
+        let all = tsubame_vmm::cpu_time::allowed_cpus();
+        let Some(here) = tsubame_vmm::cpu_time::current_cpu() else { return };
         let others: Vec<usize> = all.iter().copied().filter(|&cpu| cpu != here).collect();
-        if others.is_empty() {
-            return;
+        if !others.is_empty() && self.place_stages(&[here], &others) {
+            self.spread = Some(all);
         }
-        set_thread_cpus(this_pthread(), &[here]);
-        for thread in encoders.iter().map(|h| h.as_pthread_t()).chain(senders.iter().map(|h| h.as_pthread_t())) {
-            set_thread_cpus(thread, &others);
-        }
-        self.spread = Some(all);
     }
 
     /// Undoes [`Engine::spread_stages`] (on the thread that called it: the
     /// engine's owner, the migration thread, which ends with a failed
     /// migration).
     fn gather_stages(&mut self) {
+        if let Some(all) = self.spread.take() {
+            self.place_stages(&all, &all);
+        }
+    }
+
+    /// Lets the calling thread run on `fetch` and the stage threads on
+    /// `stages`; false (nothing done) where the stages run in turn.
+    fn place_stages(&self, fetch: &[usize], stages: &[usize]) -> bool {
         use std::os::unix::thread::JoinHandleExt;
         use tsubame_vmm::cpu_time::{set_thread_cpus, this_pthread};
-        let (Some(all), Mode::Threads { encoders, senders, .. }) = (self.spread.take(), &self.mode) else { return };
-        set_thread_cpus(this_pthread(), &all);
+        let Mode::Threads { encoders, senders, .. } = &self.mode else { return false };
+        set_thread_cpus(this_pthread(), fetch);
         for thread in encoders.iter().map(|h| h.as_pthread_t()).chain(senders.iter().map(|h| h.as_pthread_t())) {
-            set_thread_cpus(thread, &all);
+            set_thread_cpus(thread, stages);
         }
+        true
     }
 
     /// Waits (at most `limit`) until every channel's socket holds at most
