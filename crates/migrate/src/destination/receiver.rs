@@ -486,7 +486,12 @@ impl<'a> StreamReceiver<'a> {
                     last_iteration = Some(main.end(&self.frame.buf).map_err(with_failure)?);
                     self.iterations += 1;
                 }
-                FrameKind::State => break std::mem::take(&mut self.frame.buf),
+                FrameKind::State => {
+                    // A copy: the buffer, grown for the largest batch, stays
+                    // for the frames to come (freeing 4 MiB of it took
+                    // 0.09-0.13 ms of the stop).
+                    break self.frame.buf.clone();
+                }
                 FrameKind::Digest => {
                     provisional = Some(Digest::decode(&self.frame.buf, digest.region(), regions)?.hashes);
                     self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
