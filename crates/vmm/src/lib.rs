@@ -27,4 +27,4 @@ pub use memory::{GuestMemory, PAGE_SIZE};
 pub use persist::VmState;
 pub use vcpu::{VcpuState, VcpuStatus};
 pub use virtio_blk::{DiskStats, VirtioBlkState};
-pub use vm::{DiskWarmList, Vm, VmConfig, VmError};
+pub use vm::{DiskWarmList, PendingRestore, Vm, VmConfig, VmError};

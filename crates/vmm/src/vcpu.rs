@@ -206,8 +206,11 @@ impl VcpuShared {
 /// Requests to a vCPU thread that is not running guest code.
 pub(crate) enum VcpuRequest {
     Resume,
+    /// Run the guest: the caller marked it running already.
+    Run,
     Save(Sender<Result<VcpuState, VcpuError>>),
-    Restore(Box<VcpuState>, Sender<Result<(), VcpuError>>),
+    /// Restore (at this TSC rate, when given); the guest stays paused.
+    Restore(Box<VcpuState>, Option<u32>, Sender<Result<(), VcpuError>>),
     /// Restore (at this TSC rate, when given), then run the guest; the
     /// callback and the reply come as it goes into the guest.
     RestoreAndRun(Box<VcpuState>, Option<u32>, Box<dyn FnOnce() + Send>, Sender<Result<(), VcpuError>>),
@@ -393,19 +396,20 @@ impl VcpuRunner {
                     self.mark_running();
                     return true;
                 }
+                VcpuRequest::Run => {
+                    crate::cpu_time::normal_thread();
+                    *self.shared.snapshot.lock().unwrap() = None;
+                    return true;
+                }
                 VcpuRequest::Save(reply) => {
                     let _ = reply.send(save_state(&self.fd, &self.msr_indices));
                 }
-                VcpuRequest::Restore(state, reply) => {
+                VcpuRequest::Restore(state, tsc_khz, reply) => {
                     *self.shared.snapshot.lock().unwrap() = None;
-                    let _ = reply.send(restore_state(&self.fd, &state));
+                    let _ = reply.send(self.restore(&state, tsc_khz));
                 }
                 VcpuRequest::RestoreAndRun(state, tsc_khz, announce, reply) => {
-                    let restored = match tsc_khz {
-                        Some(khz) => self.fd.set_tsc_khz(khz).map_err(ioctl_err("KVM_SET_TSC_KHZ")),
-                        None => Ok(()),
-                    }
-                    .and_then(|()| restore_state(&self.fd, &state));
+                    let restored = self.restore(&state, tsc_khz);
                     let run = restored.is_ok();
                     if run {
                         self.mark_running();
@@ -419,6 +423,14 @@ impl VcpuRunner {
                 VcpuRequest::Stop => return false,
             }
         }
+    }
+
+    /// Loads `state`, at this TSC rate when given.
+    fn restore(&self, state: &VcpuState, tsc_khz: Option<u32>) -> Result<(), VcpuError> {
+        if let Some(khz) = tsc_khz {
+            self.fd.set_tsc_khz(khz).map_err(ioctl_err("KVM_SET_TSC_KHZ"))?;
+        }
+        restore_state(&self.fd, state)
     }
 
     /// The state is the guest's own from here on: it runs.

@@ -28,6 +28,8 @@ use crate::virtio_blk::{DiskError, DiskStats, DiskStatsHandle, VirtioBlk};
 
 mod restore;
 
+pub use restore::PendingRestore;
+
 /// How long pause waits for a vCPU before calling it stuck.
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A pause that takes longer than this is out of the ordinary (0.05-0.3 ms
@@ -373,6 +375,23 @@ impl Vm {
         }
         thread.requests.send(VcpuRequest::Resume).map_err(|_| VcpuError::Gone)?;
         self.shared.wait_for(PAUSE_TIMEOUT, |s| !s.is_stopped());
+        Ok(())
+    }
+
+    /// Lets the paused guest run without waiting for its vCPU thread to
+    /// take it up: from now on it is running, as a guest just started
+    /// ([`Vm::start`]) is. A migration's destination tells the source at
+    /// once: after [`Vm::resume`]'s wait the guest already ran, and the
+    /// source read RESUMED 0.08-0.2 ms later instead of 0.01.
+    pub fn release(&self) -> Result<(), VmError> {
+        let thread = self.thread()?;
+        let _one_at_a_time = self.stop_go.lock().unwrap();
+        if !self.shared.get().is_stopped() {
+            return Ok(());
+        }
+        self.shared.wants_pause.store(false, std::sync::atomic::Ordering::Release);
+        self.shared.set(VcpuStatus::Running);
+        thread.requests.send(VcpuRequest::Run).map_err(|_| VcpuError::Gone)?;
         Ok(())
     }
 

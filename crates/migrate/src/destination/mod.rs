@@ -75,7 +75,7 @@ pub fn receive_on(
     options: &ReceiveOptions,
     log: &dyn Fn(&str),
 ) -> Result<Incoming, ReceiveError> {
-    let mut landing = VmLanding { vm: None, hugepages: options.hugepages, far: None };
+    let mut landing = VmLanding { vm: None, restoring: None, hugepages: options.hugepages, far: None };
     let received = receive_into(stream, listener, options, log, &mut landing)?;
     Ok(Incoming {
         vm: landing.vm.expect("a received VM exists"),
