@@ -1,6 +1,6 @@
-//! Loading a saved state into a VM: before it starts (a migration's
-//! destination), into its paused vCPU, or into a paused vCPU that runs
-//! the guest at once (post-copy's start).
+//! Loading a saved state into a VM: before it starts, into its paused
+//! vCPU (a migration's destination, which checks its memory meanwhile),
+//! or into a paused vCPU that runs the guest at once (post-copy's start).
 
 use super::{ioctl_err, VcpuSlot, Vm, VmError};
 use crate::pci::PciFunctionState;
@@ -10,6 +10,7 @@ use crate::virtio_blk::VirtioBlk;
 
 /// The disk a state names, opened (behind a warm cache where it fits).
 type OpenedDisk = Option<(VirtioBlk, PciFunctionState)>;
+type WarmCache = Option<(tsubame_block::DiskSpec, tsubame_block::BlockCache)>;
 
 /// A restore under way on the vCPU thread ([`Vm::begin_restore`]).
 pub struct PendingRestore {
@@ -18,7 +19,6 @@ pub struct PendingRestore {
     disk: OpenedDisk,
     tsc_khz: u32,
 }
-type WarmCache = Option<(tsubame_block::DiskSpec, tsubame_block::BlockCache)>;
 
 impl Vm {
     /// Loads a saved vCPU and device state (opening the disk's storage the
