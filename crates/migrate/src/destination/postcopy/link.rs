@@ -26,6 +26,17 @@ pub(crate) struct Reconnect {
     pub(crate) urgent_channel: u16,
 }
 
+/// When every page is here, tells a reconnected source the outcome again,
+/// then takes whatever it still sends (its DIGEST) until it closes; false
+/// while the phase goes on.
+fn tell_done(shared: &PostcopyShared, io: &mut Stream) -> Result<bool, ReceiveError> {
+    let Some(done) = shared.done.lock().unwrap().clone() else { return Ok(false) };
+    protocol::write_frame(&mut *io, FrameKind::PostcopyDone, &done)?;
+    io.flush()?;
+    let _ = std::io::copy(io, &mut std::io::sink());
+    Ok(true)
+}
+
 /// What channel 0's reader threads and the acceptor tell the phase.
 pub(super) enum Event {
     Frame(FrameKind, Vec<u8>),
@@ -130,20 +141,24 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
                 let ack = ResumeAck { missing: shared.missing_now() }.encode();
                 protocol::write_frame(&mut io, FrameKind::ResumeAck, &ack)?;
                 io.flush()?;
-                if let Some(done) = shared.done.lock().unwrap().clone() {
-                    // Every page is here: the outcome again, then whatever
-                    // the source still sends (its DIGEST) until it closes.
-                    protocol::write_frame(&mut io, FrameKind::PostcopyDone, &done)?;
-                    io.flush()?;
-                    let _ = std::io::copy(&mut io, &mut std::io::sink());
+                if tell_done(&shared, &mut io)? {
                     return Ok(None);
                 }
                 Ok(Some(stream.try_clone()?))
             })();
             if let Ok(Some(stream)) = result {
                 let _ = stream.set_read_timeout(None);
-                if events.send(Event::Resumed(stream)).is_err() {
-                    return;
+                if let Err(crossbeam_channel::SendError(Event::Resumed(mut stream))) =
+                    events.send(Event::Resumed(stream))
+                {
+                    // The phase ended after the ack: a source that heard
+                    // nothing more would come back to a listener gone with
+                    // this thread (a cut as the last pages landed failed a
+                    // test that way), so it hears the outcome here.
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                    if !matches!(tell_done(&shared, &mut stream), Ok(true)) {
+                        return;
+                    }
                 }
             }
         }
