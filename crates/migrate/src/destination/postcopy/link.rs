@@ -153,8 +153,8 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
                 {
                     // The phase ended after the ack: a source that heard
                     // nothing more would come back to a listener gone with
-                    // this thread (a cut as the last pages landed failed a
-                    // test that way), so it hears the outcome here.
+                    // this thread (a cut test failed once in a way this
+                    // fits), so it hears the outcome here.
                     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
                     if !matches!(tell_done(&shared, &mut stream), Ok(true)) {
                         return;
