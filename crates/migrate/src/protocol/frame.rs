@@ -71,10 +71,23 @@ fn zero_copy_crc(h: &[u8; FRAME_HEADER_LEN], payload: &[u8]) -> Option<u32> {
     Some(crc)
 }
 
-/// Writes one frame.
+/// Payloads up to this size go out in one write with their header.
+const ONE_WRITE_PAYLOAD: usize = 512;
+
+/// Writes one frame; a small one in a single write, so that an unbuffered
+/// socket sends it in one segment (RESUMED went out as a 12-byte header
+/// and its payload apart: the source woke for the header and slept again
+/// until the rest came, 0.03 ms of the stop).
 pub fn write_frame(w: &mut (impl Write + ?Sized), kind: FrameKind, payload: &[u8]) -> std::io::Result<()> {
     debug_assert!(payload.len() <= MAX_PAYLOAD);
-    w.write_all(&frame_header(kind, payload))?;
+    let header = frame_header(kind, payload);
+    if payload.len() <= ONE_WRITE_PAYLOAD {
+        let mut frame = [0u8; FRAME_HEADER_LEN + ONE_WRITE_PAYLOAD];
+        frame[..FRAME_HEADER_LEN].copy_from_slice(&header);
+        frame[FRAME_HEADER_LEN..FRAME_HEADER_LEN + payload.len()].copy_from_slice(payload);
+        return w.write_all(&frame[..FRAME_HEADER_LEN + payload.len()]);
+    }
+    w.write_all(&header)?;
     w.write_all(payload)
 }
 
