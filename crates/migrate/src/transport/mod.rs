@@ -213,6 +213,17 @@ impl Stream {
         }
     }
 
+    /// Looks for bytes to read without sleeping, for up to `limit`: for an
+    /// answer a fraction of a millisecond away that must be read at once.
+    pub fn spin_until_readable(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut poll = libc::pollfd { fd: self.raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd that lives across the call, timeout 0.
+        while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && Instant::now() < deadline {
+            std::hint::spin_loop();
+        }
+    }
+
     fn raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         match self {
