@@ -23,23 +23,11 @@ use super::encode::{EncodeStage, EncoderSetup, SendItem, ShardEncoder};
 use super::error::PipelineError;
 use super::fetch::Batch;
 use super::send::{SendStage, Writer};
+use super::threads::{EncodeLoop, LiveBusy, SendLoop, ToEncoder};
 use super::zerocopy::GuestPages;
 use crate::protocol::ShardLayout;
-use crate::stats::{thread_cpu_seconds, PipelineStats, StageStats, ZeroCopyStats};
+use crate::stats::{PipelineStats, StageStats, ZeroCopyStats};
 use crate::transport::Pacer;
-
-/// Busy nanoseconds per stage, updated as the stages work: what the
-/// progress bar shows while the final statistics are still in the threads.
-struct LiveBusy {
-    fetch: Busy,
-    encode: Busy,
-    send: Busy,
-    since: Instant,
-    /// Encoded batches handed to a sender's queue and not taken from it
-    /// yet (counted here: a handle on the queue itself would keep it open
-    /// after its sender stopped, and an encoder would wait on it for ever).
-    for_senders: std::sync::atomic::AtomicI64,
-}
 
 /// Knobs of the engine.
 pub struct EngineSetup {
@@ -55,11 +43,6 @@ pub struct EngineSetup {
 /// in flight to keep even a short link busy).
 const MIN_LINK_WINDOW: usize = 1 << 20;
 
-enum ToEncoder {
-    Batch(Batch),
-    End(u32),
-}
-
 /// The stages and their threads, or their state when run in turn.
 pub struct Engine {
     layout: ShardLayout,
@@ -68,6 +51,12 @@ pub struct Engine {
     threads: (u32, u32),
     writers: Vec<Arc<Mutex<Writer>>>,
     zero_copy: bool,
+    /// `--zero-copy`'s guest memory, for senders made later ([`Engine::run_in_turn`]).
+    guest: Option<GuestPages>,
+    /// Whether the stages started in threads of their own.
+    started_pipelined: bool,
+    /// The zero-copy counters of sender threads joined before the end.
+    zero_copy_before: ZeroCopyStats,
     buffers: usize,
     fetch: StageStats,
     fetch_samples: u64,
@@ -195,6 +184,9 @@ impl Engine {
             threads,
             writers,
             zero_copy: setup.guest.is_some(),
+            guest: setup.guest,
+            started_pipelined: setup.pipelined,
+            zero_copy_before: ZeroCopyStats::default(),
             buffers: setup.buffers,
             fetch: StageStats::named("fetch"),
             fetch_samples: 0,
@@ -385,6 +377,49 @@ impl Engine {
         self.live.for_senders.load(Ordering::Relaxed)
     }
 
+    /// From now on runs the stages in turn on the calling thread: for a
+    /// stop of a few pages, whose hand-offs between threads took longer
+    /// than the work on them (the encoder, woken on the CPU where the vCPU
+    /// thread saved its state, started 0.03-0.06 ms after the fetch handed
+    /// it the batch, while the other CPU idled). Called with the guest
+    /// still running: joining the threads takes a little while.
+    pub fn run_in_turn(&mut self) -> Result<(), PipelineError> {
+        if !matches!(self.mode, Mode::Threads { .. }) {
+            return Ok(());
+        }
+        let batch_pages = self.layout.batch_pages as usize;
+        let in_turn = Mode::InTurn {
+            encoders: Vec::new(),
+            senders: Vec::new(),
+            batch: Some(Batch::with_capacity(batch_pages)),
+            out: Vec::with_capacity(batch_pages * (PAGE_SIZE + 64)),
+            encode: Box::new(StageStats::named("encode")),
+            send: Box::new(StageStats::named("send")),
+        };
+        let Mode::Threads { to_encoders, encoders, senders, .. } = std::mem::replace(&mut self.mode, in_turn) else {
+            unreachable!("matched above");
+        };
+        let joined = join_threads(to_encoders, encoders, senders);
+        self.zero_copy_before.add(&joined.zero_copy);
+        self.threads = (1, 1);
+        let layout = self.layout;
+        let Mode::InTurn { encoders, senders, encode, send, .. } = &mut self.mode else { unreachable!("set above") };
+        **encode = joined.encode;
+        **send = joined.send;
+        // A thread that died took its shard's encoder (and codec caches).
+        if joined.encoders.len() != layout.shards as usize {
+            return Err(PipelineError::Stopped);
+        }
+        *encoders = joined.encoders.into_iter().map(EncodeStage::new).collect();
+        *senders = (0..layout.channels)
+            .map(|c| {
+                let writer = self.writers[c as usize].clone();
+                SendStage::new(c, layout.shards_of(c).count(), writer, self.pacer.clone(), self.guest, 0)
+            })
+            .collect();
+        Ok(())
+    }
+
     /// Until the iteration ends, keeps the calling thread (the fetch) on
     /// the CPU it runs on and the stage threads off it: in the stop, with
     /// the guest paused, each can have a CPU, but the scheduler woke an
@@ -439,34 +474,21 @@ impl Engine {
     pub fn finish(self) -> (Vec<ShardEncoder>, PipelineStats, Vec<Writer>) {
         let mut fetch = self.fetch;
         fetch.cpu_seconds = 0.0; // the migration thread's CPU is reported on its own
-        let mut zero_copy = ZeroCopyStats::default();
-        let (encoders, encode, send, mode) = match self.mode {
+        let mut zero_copy = self.zero_copy_before;
+        let (encoders, encode, send) = match self.mode {
             Mode::InTurn { encoders, senders, encode, send, .. } => {
                 for sender in senders {
                     zero_copy.add(&sender.finish());
                 }
-                (encoders.into_iter().map(|s| s.encoder).collect(), *encode, *send, "sequential")
+                (encoders.into_iter().map(|s| s.encoder).collect(), *encode, *send)
             }
             Mode::Threads { to_encoders, encoders, senders, .. } => {
-                drop(to_encoders);
-                let mut encode = StageStats { threads: 0, ..StageStats::named("encode") };
-                let mut send = StageStats { threads: 0, ..StageStats::named("send") };
-                let mut shard_encoders = Vec::new();
-                for handle in encoders {
-                    if let Ok((encoder, stats)) = handle.join() {
-                        encode.merge(&stats);
-                        shard_encoders.push(encoder);
-                    }
-                }
-                for handle in senders {
-                    if let Ok((stats, channel_zero_copy)) = handle.join() {
-                        send.merge(&stats);
-                        zero_copy.add(&channel_zero_copy);
-                    }
-                }
-                (shard_encoders, encode, send, "pipelined")
+                let joined = join_threads(to_encoders, encoders, senders);
+                zero_copy.add(&joined.zero_copy);
+                (joined.encoders, joined.encode, joined.send)
             }
         };
+        let mode = if self.started_pipelined { "pipelined" } else { "sequential" };
         let stats = PipelineStats {
             mode: mode.into(),
             channels: self.layout.channels,
@@ -486,109 +508,38 @@ impl Engine {
     }
 }
 
-/// An encode stage in its own thread.
-struct EncodeLoop {
-    stage: EncodeStage,
-    input: Receiver<ToEncoder>,
-    free_batches: Sender<Batch>,
-    output: Sender<SendItem>,
-    out_pool: Receiver<Vec<u8>>,
-    done: Sender<Result<u64, PipelineError>>,
+/// What the stage threads leave when joined.
+struct Joined {
+    encoders: Vec<ShardEncoder>,
+    encode: StageStats,
+    send: StageStats,
+    zero_copy: ZeroCopyStats,
 }
 
-impl EncodeLoop {
-    fn run(mut self, live: &LiveBusy) -> (ShardEncoder, StageStats) {
-        let cpu = thread_cpu_seconds();
-        let mut stats = StageStats::named("encode");
-        let mut samples = 0;
-        // An output buffer left empty by the last batch, used again.
-        let mut spare: Option<Vec<u8>> = None;
-        loop {
-            let start = Instant::now();
-            let Ok(work) = self.input.recv() else { break };
-            stats.wait_input_seconds += start.elapsed().as_secs_f64();
-            let item = match work {
-                ToEncoder::Batch(batch) => {
-                    let start = Instant::now();
-                    let Some(out) = spare.take().or_else(|| self.out_pool.recv().ok()) else {
-                        let _ = self.done.send(Err(PipelineError::Stopped));
-                        break;
-                    };
-                    stats.wait_output_seconds += start.elapsed().as_secs_f64();
-                    let encoded = timed(&mut stats, &live.encode, || self.stage.batch(&batch, out));
-                    stats.items += 1;
-                    let _ = self.free_batches.send(batch);
-                    match encoded {
-                        // Nothing changed in the batch (a sub-page guest
-                        // that rewrites the same bytes): no hand-off to
-                        // the sender, whose wake-up cost more than the
-                        // encoding (~30 µs a batch in a stop).
-                        Ok(SendItem::Frames(out)) if out.is_empty() => {
-                            spare = Some(out);
-                            continue;
-                        }
-                        Ok(item) => item,
-                        Err(e) => {
-                            let _ = self.done.send(Err(e.into()));
-                            break;
-                        }
-                    }
-                }
-                ToEncoder::End(iteration) => self.stage.end(iteration),
-            };
-            stats.sample_queue(self.output.len(), &mut samples);
-            let start = Instant::now();
-            live.for_senders.fetch_add(1, Ordering::Relaxed);
-            if self.output.send(item).is_err() {
-                live.for_senders.fetch_sub(1, Ordering::Relaxed);
-                let _ = self.done.send(Err(PipelineError::Stopped));
-                break;
-            }
-            stats.wait_output_seconds += start.elapsed().as_secs_f64();
+/// Stops the stage threads (their queues close) and joins them.
+fn join_threads(
+    to_encoders: Vec<Sender<ToEncoder>>,
+    encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
+    senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
+) -> Joined {
+    drop(to_encoders);
+    let mut joined = Joined {
+        encoders: Vec::new(),
+        encode: StageStats { threads: 0, ..StageStats::named("encode") },
+        send: StageStats { threads: 0, ..StageStats::named("send") },
+        zero_copy: ZeroCopyStats::default(),
+    };
+    for handle in encoders {
+        if let Ok((encoder, stats)) = handle.join() {
+            joined.encode.merge(&stats);
+            joined.encoders.push(encoder);
         }
-        stats.cpu_seconds = thread_cpu_seconds() - cpu;
-        (self.stage.encoder, stats)
     }
-}
-
-/// A channel's send stage in its own thread.
-struct SendLoop {
-    stage: SendStage,
-    input: Receiver<SendItem>,
-    pool: Sender<Vec<u8>>,
-    done: Sender<Result<u64, PipelineError>>,
-}
-
-impl SendLoop {
-    fn run(mut self, live: &LiveBusy) -> (StageStats, ZeroCopyStats) {
-        let cpu = thread_cpu_seconds();
-        let mut stats = StageStats::named("send");
-        loop {
-            let start = Instant::now();
-            let Ok(item) = self.input.recv() else { break };
-            live.for_senders.fetch_sub(1, Ordering::Relaxed);
-            stats.wait_input_seconds += start.elapsed().as_secs_f64();
-            if !matches!(item, SendItem::End { .. }) {
-                stats.items += 1;
-            }
-            let sent = timed(&mut stats, &live.send, || self.stage.send(item));
-            match sent {
-                Ok((released, ended)) => {
-                    for buffer in released {
-                        let _ = self.pool.send(buffer);
-                    }
-                    if let Some(records) = ended {
-                        let _ = self.done.send(Ok(records));
-                    }
-                }
-                Err(e) => {
-                    let _ = self.done.send(Err(e));
-                    break;
-                }
-            }
+    for handle in senders {
+        if let Ok((stats, zero_copy)) = handle.join() {
+            joined.send.merge(&stats);
+            joined.zero_copy.add(&zero_copy);
         }
-        let zero_copy = self.stage.finish();
-        stats.cpu_seconds = thread_cpu_seconds() - cpu;
-        (stats, zero_copy)
     }
+    joined
 }

@@ -18,6 +18,7 @@ mod postcopy;
 mod precopy;
 pub mod send;
 mod stop;
+mod threads;
 pub mod vm;
 mod warm;
 pub mod zerocopy;

@@ -30,7 +30,7 @@ const STOP_BATCH_PAGES: u64 = 128;
 
 /// The least dirty pages of a stop whose stages run apart
 /// ([`super::engine::Engine::spread_stages`]): four batches.
-const SPREAD_STOP_PAGES: u64 = 4 * STOP_BATCH_PAGES;
+pub(super) const SPREAD_STOP_PAGES: u64 = 4 * STOP_BATCH_PAGES;
 
 /// How many times the last look before a converged stop may go back to
 /// one more iteration (each sends the digest and drains the link anew).
