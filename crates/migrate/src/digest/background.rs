@@ -158,6 +158,14 @@ impl BackgroundDigest {
         BackgroundDigest { region, requests, thread: Some(thread), backlog }
     }
 
+    /// Lets its thread (and the threads it starts) run only on `cpus`.
+    pub fn run_on(&self, cpus: &[usize]) {
+        use std::os::unix::thread::JoinHandleExt;
+        if let Some(thread) = &self.thread {
+            tsubame_vmm::cpu_time::set_thread_cpus(thread.as_pthread_t(), cpus);
+        }
+    }
+
     /// The region size.
     pub fn region(&self) -> u32 {
         self.region

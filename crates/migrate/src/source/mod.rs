@@ -99,6 +99,7 @@ fn migrate_with(
         engine: None,
         bandwidth: Arc::new(AtomicU64::new(0)),
         digest: None,
+        apart: None,
         policy: PrecopyPolicy::for_this_host(),
         urgent: None,
         pacer: None,
@@ -221,6 +222,8 @@ struct SourceRun<'a> {
     bandwidth: Arc<AtomicU64>,
     /// The memory digest, hashed as pages go rather than during downtime.
     digest: Option<digest::BackgroundDigest>,
+    /// Every CPU, while the stop keeps the digest's thread apart.
+    apart: Option<Vec<usize>>,
     /// When to stop iterating.
     policy: PrecopyPolicy,
     /// The connection kept for the pages a post-copy destination asks for.
