@@ -61,9 +61,9 @@ impl SourceRun<'_> {
         let vm = self.vm;
         let mut frame = Vec::new();
         let mut pending = self.pending.take().expect("precopy leaves the pending dirty set");
-        // A stop too small to run its stages apart runs them in turn here,
-        // without a hand-off to another thread (see `send_dirty`).
-        if pending.count() < super::precopy::SPREAD_STOP_PAGES {
+        // A stop of a few pages runs its stages in turn here, without a
+        // hand-off to another thread.
+        if pending.count() <= super::precopy::IN_TURN_STOP_PAGES {
             self.engine().run_in_turn()?;
             self.keep_digest_apart();
         }
