@@ -177,6 +177,27 @@ pub fn current_cpu() -> Option<usize> {
     usize::try_from(cpu).ok()
 }
 
+/// The calling thread's CPU and the others it may use: for keeping a
+/// stop's threads apart.
+pub struct CpuSplit {
+    /// Every CPU the thread may use.
+    pub all: Vec<usize>,
+    /// The one it runs on now.
+    pub here: usize,
+    /// The rest, never empty.
+    pub others: Vec<usize>,
+}
+
+impl CpuSplit {
+    /// None where the kernel does not say, or with one CPU only.
+    pub fn here() -> Option<CpuSplit> {
+        let all = allowed_cpus();
+        let here = current_cpu()?;
+        let others: Vec<usize> = all.iter().copied().filter(|&cpu| cpu != here).collect();
+        (!others.is_empty()).then_some(CpuSplit { all, here, others })
+    }
+}
+
 /// Lets `thread` (a thread of this process) run only on `cpus`: for the
 /// stop, where two threads handing work to each other were both left on
 /// one CPU while the other idled. Best effort: a refusal (or no CPU

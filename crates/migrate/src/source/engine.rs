@@ -84,6 +84,39 @@ enum Mode {
     },
 }
 
+impl Mode {
+    /// The stages run in turn on the caller's thread, with these stage
+    /// statistics so far (encode, send).
+    fn in_turn(
+        encoders: Vec<EncodeStage>,
+        senders: Vec<SendStage>,
+        batch_pages: usize,
+        (encode, send): (StageStats, StageStats),
+    ) -> Mode {
+        Mode::InTurn {
+            encoders,
+            senders,
+            batch: Some(Batch::with_capacity(batch_pages)),
+            out: Vec::with_capacity(batch_pages * (PAGE_SIZE + 64)),
+            encode: Box::new(encode),
+            send: Box::new(send),
+        }
+    }
+}
+
+/// Channel `channel`'s send stage.
+fn send_stage(
+    layout: ShardLayout,
+    writers: &[Arc<Mutex<Writer>>],
+    pacer: &Arc<Pacer>,
+    guest: Option<GuestPages>,
+    channel: u16,
+    keep: usize,
+) -> SendStage {
+    let carried = layout.shards_of(channel).count();
+    SendStage::new(channel, carried, writers[channel as usize].clone(), pacer.clone(), guest, keep)
+}
+
 impl Engine {
     /// Starts the stages over `writers` (one per channel).
     pub fn start(
@@ -106,20 +139,11 @@ impl Engine {
             for_senders: Default::default(),
         });
         let out_capacity = batch_pages * (PAGE_SIZE + 64);
-        let sender = |channel: u16, keep: usize| {
-            let carried = layout.shards_of(channel).count();
-            SendStage::new(channel, carried, writers[channel as usize].clone(), pacer.clone(), setup.guest, keep)
-        };
+        let sender = |channel: u16, keep: usize| send_stage(layout, &writers, &pacer, setup.guest, channel, keep);
         let (threads, mode) = if !setup.pipelined {
-            let mode = Mode::InTurn {
-                encoders,
-                senders: (0..layout.channels).map(|c| sender(c, 0)).collect(),
-                batch: Some(Batch::with_capacity(batch_pages)),
-                out: Vec::with_capacity(out_capacity),
-                encode: Box::new(StageStats::named("encode")),
-                send: Box::new(StageStats::named("send")),
-            };
-            ((1, 1), mode)
+            let senders = (0..layout.channels).map(|c| sender(c, 0)).collect();
+            let stats = (StageStats::named("encode"), StageStats::named("send"));
+            ((1, 1), Mode::in_turn(encoders, senders, batch_pages, stats))
         } else {
             let buffers = setup.buffers.max(1);
             let shards = layout.shards as usize;
@@ -387,37 +411,26 @@ impl Engine {
         if !matches!(self.mode, Mode::Threads { .. }) {
             return Ok(());
         }
-        let batch_pages = self.layout.batch_pages as usize;
-        let in_turn = Mode::InTurn {
-            encoders: Vec::new(),
-            senders: Vec::new(),
-            batch: Some(Batch::with_capacity(batch_pages)),
-            out: Vec::with_capacity(batch_pages * (PAGE_SIZE + 64)),
-            encode: Box::new(StageStats::named("encode")),
-            send: Box::new(StageStats::named("send")),
-        };
-        let Mode::Threads { to_encoders, encoders, senders, .. } = std::mem::replace(&mut self.mode, in_turn) else {
+        let layout = self.layout;
+        let batch_pages = layout.batch_pages as usize;
+        let empty = Mode::in_turn(Vec::new(), Vec::new(), 0, Default::default());
+        let Mode::Threads { to_encoders, encoders, senders, .. } = std::mem::replace(&mut self.mode, empty) else {
             unreachable!("matched above");
         };
         let joined = join_threads(to_encoders, encoders, senders);
         self.zero_copy_before.add(&joined.zero_copy);
         self.threads = (1, 1);
-        let layout = self.layout;
-        let Mode::InTurn { encoders, senders, encode, send, .. } = &mut self.mode else { unreachable!("set above") };
-        **encode = joined.encode;
-        **send = joined.send;
         // A thread that died took its shard's encoder (and codec caches).
-        if joined.encoders.len() != layout.shards as usize {
-            return Err(PipelineError::Stopped);
+        let whole = joined.encoders.len() == layout.shards as usize;
+        let encoders = if whole { joined.encoders.into_iter().map(EncodeStage::new).collect() } else { Vec::new() };
+        let senders =
+            (0..layout.channels).map(|c| send_stage(layout, &self.writers, &self.pacer, self.guest, c, 0)).collect();
+        self.mode = Mode::in_turn(encoders, senders, batch_pages, (joined.encode, joined.send));
+        if whole {
+            Ok(())
+        } else {
+            Err(PipelineError::Stopped)
         }
-        *encoders = joined.encoders.into_iter().map(EncodeStage::new).collect();
-        *senders = (0..layout.channels)
-            .map(|c| {
-                let writer = self.writers[c as usize].clone();
-                SendStage::new(c, layout.shards_of(c).count(), writer, self.pacer.clone(), self.guest, 0)
-            })
-            .collect();
-        Ok(())
     }
 
     /// Until the iteration ends, keeps the calling thread (the fetch) on
@@ -427,11 +440,9 @@ impl Engine {
     /// ms each, in a 2.9 ms stop) while the other CPU idled. Nothing
     /// changes with one CPU or the stages run in turn.
     pub fn spread_stages(&mut self) {
-        let all = tsubame_vmm::cpu_time::allowed_cpus();
-        let Some(here) = tsubame_vmm::cpu_time::current_cpu() else { return };
-        let others: Vec<usize> = all.iter().copied().filter(|&cpu| cpu != here).collect();
-        if !others.is_empty() && self.place_stages(&[here], &others) {
-            self.spread = Some(all);
+        let Some(cpus) = tsubame_vmm::cpu_time::CpuSplit::here() else { return };
+        if self.place_stages(&[cpus.here], &cpus.others) {
+            self.spread = Some(cpus.all);
         }
     }
 

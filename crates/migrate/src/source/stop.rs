@@ -42,16 +42,11 @@ impl SourceRun<'_> {
     /// the other CPU idled: its answer came 0.1-0.28 ms later, not 0.02.
     /// Set while the guest still runs.
     fn keep_digest_apart(&mut self) {
-        use tsubame_vmm::cpu_time::{allowed_cpus, current_cpu, set_thread_cpus, this_pthread};
-        let all = allowed_cpus();
-        let Some(here) = current_cpu() else { return };
-        let others: Vec<usize> = all.iter().copied().filter(|&cpu| cpu != here).collect();
-        if others.is_empty() {
-            return;
-        }
-        set_thread_cpus(this_pthread(), &[here]);
-        self.digest().run_on(&others);
-        self.apart = Some(all);
+        use tsubame_vmm::cpu_time::{set_thread_cpus, this_pthread, CpuSplit};
+        let Some(cpus) = CpuSplit::here() else { return };
+        set_thread_cpus(this_pthread(), &[cpus.here]);
+        self.digest().run_on(&cpus.others);
+        self.apart = Some(cpus.all);
     }
 
     fn stop_and_copy_reading(

@@ -205,22 +205,26 @@ impl Stream {
     /// 50 µs stays in the idle loop's polling). Other threads run between
     /// the looks.
     pub fn wait_readable_closely(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        let mut poll = libc::pollfd { fd: self.raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one pollfd that lives across the call, timeout 0.
-        while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_micros(20));
-        }
+        self.look_until_readable(limit, Some(Duration::from_micros(20)));
     }
 
     /// Looks for bytes to read without sleeping, for up to `limit`: for an
     /// answer a fraction of a millisecond away that must be read at once.
     pub fn spin_until_readable(&self, limit: Duration) {
+        self.look_until_readable(limit, None);
+    }
+
+    /// Looks for bytes to read until `limit` passes, napping `nap` between
+    /// looks (or not at all).
+    fn look_until_readable(&self, limit: Duration, nap: Option<Duration>) {
         let deadline = Instant::now() + limit;
         let mut poll = libc::pollfd { fd: self.raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one pollfd that lives across the call, timeout 0.
         while unsafe { libc::poll(&mut poll, 1, 0) } == 0 && Instant::now() < deadline {
-            std::hint::spin_loop();
+            match nap {
+                Some(nap) => std::thread::sleep(nap),
+                None => std::hint::spin_loop(),
+            }
         }
     }
 
