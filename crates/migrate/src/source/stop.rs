@@ -59,7 +59,7 @@ impl SourceRun<'_> {
         // A stop of a few pages runs its stages in turn here, without a
         // hand-off to another thread.
         if pending.count() <= super::precopy::IN_TURN_STOP_PAGES {
-            self.engine().run_in_turn()?;
+            self.engine().run_in_turn(pending.count() as usize)?;
             self.keep_digest_apart();
         }
         self.enter(SourceState::StopAndCopy);
