@@ -395,6 +395,15 @@ impl Vm {
         Ok(())
     }
 
+    /// Lets the vCPU thread run only on `cpus` (best effort; nothing
+    /// before it started).
+    pub fn vcpu_run_on(&self, cpus: &[usize]) {
+        use std::os::unix::thread::JoinHandleExt;
+        if let VcpuSlot::Started(VcpuThread { thread: Some(thread), .. }) = &self.vcpu {
+            crate::cpu_time::set_thread_cpus(thread.as_pthread_t(), cpus);
+        }
+    }
+
     /// Captures vCPU and device state; the VM must be paused (or never
     /// started).
     pub fn save_state(&self) -> Result<VmState, VmError> {

@@ -59,6 +59,9 @@ pub trait Landing {
     fn far_memory(&mut self, _map: FarMap) -> Result<(), ReceiveError> {
         Ok(())
     }
+    /// Lets the vCPU thread run only on `cpus` (the stop's threads kept
+    /// apart, destination/apart.rs). Plain memory has no vCPU.
+    fn vcpu_run_on(&self, _cpus: &[usize]) {}
     /// A reader of the far pages for post-copy's fault thread (none in
     /// plain memory, which has no far memory attached).
     fn far_reader(&mut self) -> Result<Option<FarReader>, ReceiveError> {
@@ -117,6 +120,12 @@ impl Landing for VmLanding {
             None => {}
         }
         Ok(vm.release()?)
+    }
+
+    fn vcpu_run_on(&self, cpus: &[usize]) {
+        if let Some(vm) = &self.vm {
+            vm.vcpu_run_on(cpus);
+        }
     }
 
     fn far_memory(&mut self, map: FarMap) -> Result<(), ReceiveError> {

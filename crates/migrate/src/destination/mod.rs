@@ -7,6 +7,7 @@
 //! Every byte from the peer is checked before use (crate::protocol); on
 //! any failure the half-built VM is dropped and the source told why.
 
+mod apart;
 mod apply;
 mod dispatch;
 mod error;

@@ -14,6 +14,7 @@ use tsubame_farmem::FarMap;
 use tsubame_vmm::memory::{self, GuestMemory};
 use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
+use super::apart::Apart;
 use super::apply::{PageMarks, ShardWorker};
 use super::dispatch::{channel_loop, ChannelSource, Dispatcher, LeasedFrame, ShardWork, Shared};
 use super::error::ReceiveError;
@@ -51,6 +52,8 @@ pub(super) struct StreamReceiver<'a> {
     opens_storage: bool,
     /// Held from the digest before the stop (or STATE) to RESUMED.
     quick: Option<tsubame_vmm::cpu_time::QuickWakeups>,
+    /// Set with `quick`: the vCPU thread apart from the others.
+    apart: Option<Apart>,
 }
 
 /// The threads and tables of a migration being received.
@@ -106,6 +109,7 @@ impl<'a> StreamReceiver<'a> {
             warm: None,
             opens_storage: true,
             quick: None,
+            apart: None,
         }
     }
 
@@ -145,6 +149,7 @@ impl<'a> StreamReceiver<'a> {
         let end = match result {
             Ok(end) => end,
             Err(e) => {
+                Apart::end(self.apart.take(), landing);
                 drop(main);
                 drop(digest);
                 shared.fail(ReceiveError::ThreadStopped);
@@ -173,6 +178,7 @@ impl<'a> StreamReceiver<'a> {
                 // (behind the vCPU it just started, RESUMED went out up to
                 // 2.4 ms late), as in post-copy's switch.
                 let realtime = tsubame_vmm::cpu_time::realtime_thread();
+                Apart::free_this_thread(&self.apart);
                 write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Ready, &[]))?;
                 self.state = ReceiverState::Ready;
                 (self.log)("memory verified; ready, waiting for commit");
@@ -183,6 +189,7 @@ impl<'a> StreamReceiver<'a> {
                 let resumed = Resumed { cpu_micros: ((process_cpu_seconds() - self.cpu_start) * 1e6) as u64 };
                 let _ = write_flushed(writer, |w| protocol::write_frame(w, FrameKind::Resumed, &resumed.encode()));
                 drop((realtime, self.quick.take()));
+                Apart::end(self.apart.take(), landing);
                 self.state = ReceiverState::Committed;
                 (self.log)("committed; the VM runs here now");
                 leftovers._buffers = Some((reader, std::mem::take(&mut self.frame.buf)));
@@ -190,6 +197,7 @@ impl<'a> StreamReceiver<'a> {
             }
             MemoryEnd::Postcopy(start, switching) => {
                 drop((leftovers, self.quick.take()));
+                Apart::end(self.apart.take(), landing);
                 let held = held.expect("hashed for post-copy");
                 let timeout = Duration::from_millis(start.timeout_ms as u64);
                 // Far pages fault in from the memory host, not the source.
@@ -494,6 +502,8 @@ impl<'a> StreamReceiver<'a> {
                 FrameKind::Digest => {
                     provisional = Some(Digest::decode(&self.frame.buf, digest.region(), regions)?.hashes);
                     self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
+                    let threads = session.readers.iter().chain(&session.workers);
+                    self.apart = self.apart.take().or_else(|| Apart::start(threads, digest, landing));
                 }
                 FrameKind::WarmBlocks | FrameKind::DiskWritten | FrameKind::WarmData if !self.opens_storage => {}
                 FrameKind::WarmData => {

@@ -1,0 +1,60 @@
+//! The stop's threads on a destination, kept apart from the vCPU's.
+//!
+//! In the stop the vCPU thread loads the state (~0.08 ms of ioctls here)
+//! while the decoders apply the last pages and the digest answers. This
+//! host's scheduler queued whichever of them woke behind the loading vCPU
+//! thread while the other CPU idled (0.08-0.09 ms late in 3 of 6 idle
+//! stops, docs/results.md). From the digest before the stop until
+//! RESUMED, the vCPU thread runs on the CPUs other than the receiving
+//! thread's, and the decoders and the digest on its; the receiving thread
+//! too until the memory is verified. (Held there to COMMIT, it waited
+//! for the source's thread, on that CPU too and spinning for RESUMED,
+//! the source's 1 ms spin: both ends share this host's two CPUs.)
+
+use std::os::unix::thread::JoinHandleExt;
+
+use tsubame_vmm::cpu_time::{set_thread_cpus, this_pthread, CpuSplit};
+
+use super::landing::Landing;
+use crate::digest::BackgroundDigest;
+
+/// Every CPU the receiving thread could use before: undone with
+/// [`Apart::end`]. The decoders and the digest stay where they were put:
+/// they end with the migration.
+pub(super) struct Apart {
+    all: Vec<usize>,
+}
+
+impl Apart {
+    /// Keeps the vCPU thread of `landing` off this thread's CPU, and
+    /// `threads` and `digest` on it. None with one CPU.
+    pub(super) fn start<'t>(
+        threads: impl Iterator<Item = &'t std::thread::JoinHandle<()>>,
+        digest: &BackgroundDigest,
+        landing: &dyn Landing,
+    ) -> Option<Apart> {
+        let cpus = CpuSplit::here()?;
+        let here = [cpus.here];
+        set_thread_cpus(this_pthread(), &here);
+        threads.for_each(|thread| set_thread_cpus(thread.as_pthread_t(), &here));
+        digest.run_on(&here);
+        landing.vcpu_run_on(&cpus.others);
+        Some(Apart { all: cpus.all })
+    }
+
+    /// Lets this thread use every CPU again (if `apart` held it).
+    pub(super) fn free_this_thread(apart: &Option<Apart>) {
+        if let Some(apart) = apart {
+            set_thread_cpus(this_pthread(), &apart.all);
+        }
+    }
+
+    /// Lets this thread and the vCPU's use every CPU again (if `apart`
+    /// held them).
+    pub(super) fn end(apart: Option<Apart>, landing: &dyn Landing) {
+        if let Some(apart) = apart {
+            set_thread_cpus(this_pthread(), &apart.all);
+            landing.vcpu_run_on(&apart.all);
+        }
+    }
+}
