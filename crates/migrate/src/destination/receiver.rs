@@ -530,7 +530,12 @@ impl<'a> StreamReceiver<'a> {
                     }
                     return Ok(MemoryEnd::Postcopy(start, kind == FrameKind::Postcopy));
                 }
-                kind => main.pages(kind, &mut self.frame).map_err(with_failure)?,
+                kind => {
+                    if let Some(apart) = &mut self.apart {
+                        apart.received(self.frame.buf.len(), session.readers.iter().chain(&session.workers), digest);
+                    }
+                    main.pages(kind, &mut self.frame).map_err(with_failure)?
+                }
             }
         };
         let Some(final_iteration) = last_iteration else {
