@@ -45,10 +45,7 @@ impl Apart {
         landing: &dyn Landing,
     ) -> Option<Apart> {
         let cpus = CpuSplit::here()?;
-        let here = [cpus.here];
-        set_thread_cpus(this_pthread(), &here);
-        threads.for_each(|thread| set_thread_cpus(thread.as_pthread_t(), &here));
-        digest.run_on(&here);
+        place(&[cpus.here], threads, digest);
         landing.vcpu_run_on(&cpus.others);
         Some(Apart { all: cpus.all, received: 0 })
     }
@@ -64,9 +61,7 @@ impl Apart {
         let before = self.received;
         self.received += bytes;
         if before <= FEW_BYTES && self.received > FEW_BYTES {
-            set_thread_cpus(this_pthread(), &self.all);
-            threads.for_each(|thread| set_thread_cpus(thread.as_pthread_t(), &self.all));
-            digest.run_on(&self.all);
+            place(&self.all, threads, digest);
         }
     }
 
@@ -85,4 +80,15 @@ impl Apart {
             landing.vcpu_run_on(&apart.all);
         }
     }
+}
+
+/// Lets this thread, `threads` and `digest` run only on `cpus`.
+fn place<'t>(
+    cpus: &[usize],
+    threads: impl Iterator<Item = &'t std::thread::JoinHandle<()>>,
+    digest: &BackgroundDigest,
+) {
+    set_thread_cpus(this_pthread(), cpus);
+    threads.for_each(|thread| set_thread_cpus(thread.as_pthread_t(), cpus));
+    digest.run_on(cpus);
 }
