@@ -98,6 +98,12 @@ impl Mode {
     }
 }
 
+/// Room for `pages` pages encoded at worst (raw, with their record
+/// headers): an encoder's output buffer.
+fn encoded_bytes(pages: usize) -> usize {
+    pages * (PAGE_SIZE + 64)
+}
+
 /// Channel `channel`'s send stage.
 fn send_stage(
     layout: ShardLayout,
@@ -132,7 +138,7 @@ impl Engine {
             since: Instant::now(),
             for_senders: Default::default(),
         });
-        let out_capacity = batch_pages * (PAGE_SIZE + 64);
+        let out_capacity = encoded_bytes(batch_pages);
         let sender = |channel: u16, keep: usize| send_stage(layout, &writers, &pacer, setup.guest, channel, keep);
         let (threads, mode) = if !setup.pipelined {
             let senders = (0..layout.channels).map(|c| sender(c, 0)).collect();
@@ -429,8 +435,8 @@ impl Engine {
         let mut batch = free_batches.try_iter().next().unwrap_or_else(|| Batch::with_capacity(batch_pages));
         let pages = pages.min(batch_pages);
         batch.pages[..pages * PAGE_SIZE].fill(0);
-        let mut out = Vec::with_capacity(batch_pages * (PAGE_SIZE + 64));
-        out.resize(pages * (PAGE_SIZE + 64), 0);
+        let mut out = Vec::with_capacity(encoded_bytes(batch_pages));
+        out.resize(encoded_bytes(pages), 0);
         out.clear();
         self.mode = Mode::in_turn(encoders, senders, batch, out, (joined.encode, joined.send));
         if whole {
