@@ -15,7 +15,14 @@ another `vcpu0` thread gets a CPU (the destination runs the guest). The
 source's fetch is `migration`, its stages `encode-N` and `send-N`; the
 destination's channel-0 receiving thread is its main thread, its
 decoders `decode-N`; both have a `digest`. Threads are labelled `src:`
-or `dst:` by the process of the vCPU thread they share.
+or `dst:` by process (the one whose `migration`, `encode-N` or `send-N`
+thread ran in the stop is the source, the one whose `decode-N` ran the
+destination) where the trace has pids.
+
+An idle guest's vCPU thread sleeps while the guest halts, so its pause
+cannot be told from the trace: give `--runs DIR/runs.jsonl` of the same
+compare.py invocation, and each tsubame run's `paused_at_monotonic_s`
+and `downtime_ms` (the statistics' fields) set the stops instead.
 """
 
 import argparse
@@ -109,12 +116,36 @@ def cpu_time(switches, start, end):
     return spent
 
 
-def report(lines):
-    """One dict per stop: its window and, per CPU, the idle time and each labelled thread's time (ms)."""
+def windows_of_runs(lines):
+    """[(paused, resumed)] of each tsubame run in a `compare.py` runs.jsonl (its `paused_at_monotonic_s` and
+    `downtime_ms`): exact where the trace's vCPU threads cannot tell (an idle guest's vCPU sleeps while halted)."""
+    found = []
+    for line in lines:
+        stats = (json.loads(line) if line.strip() else {}).get("vmm_stats") or {}
+        paused = stats.get("paused_at_monotonic_s") or 0.0
+        if paused > 0:
+            found.append((paused, paused + stats.get("downtime_ms", 0.0) / 1e3))
+    return found
+
+
+def sides_in(switches, process, start, end):
+    """{pid: "src:" or "dst:"}: a process whose `migration`, `encode-N` or `send-N` thread ran in the window is a
+    source, one whose `decode-N` thread ran a destination."""
+    ran = {(process.get(s.next_tid), s.next_comm) for s in switches if start <= s.time <= end}
+    src = {pid for pid, comm in ran if comm == "migration" or comm.startswith(("encode-", "send-"))}
+    dst = {pid for pid, comm in ran if comm.startswith("decode-")} - src
+    return {**{pid: "src:" for pid in src if pid}, **{pid: "dst:" for pid in dst if pid}}
+
+
+def report(lines, windows=None):
+    """One dict per stop: its window and, per CPU, the idle time and each labelled thread's time (ms). The stops are
+    `windows` [(paused, resumed)] when given, else found from the vCPU threads (see `stops`)."""
     switches, process = parse(lines)
+    if windows is None:
+        windows = [(paused, resumed) for paused, resumed, _, _ in stops(switches)]
     out = []
-    for paused, resumed, src, dst in stops(switches):
-        sides = {process[src]: "src:", process[dst]: "dst:"} if src in process and dst in process else {}
+    for paused, resumed in windows:
+        sides = sides_in(switches, process, paused, resumed)
         cpus = {}
         for cpu, tasks in sorted(cpu_time(switches, paused, resumed).items()):
             idle = sum(t for (tid, _), t in tasks.items() if tid == 0)
@@ -137,19 +168,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("trace", help="`perf script -F pid,tid,cpu,time,event,trace` output")
+    parser.add_argument("--runs", metavar="RUNS_JSONL",
+                        help="take the stops from compare.py's runs.jsonl (each tsubame run's pause and downtime) "
+                             "instead of from the vCPU threads")
     parser.add_argument("--json", action="store_true", help="print the stops as JSON")
     args = parser.parse_args(argv)
     try:
+        windows = None
+        if args.runs:
+            with open(args.runs) as f:
+                windows = windows_of_runs(f)
         with open(args.trace) as f:
-            found = report(f)
+            found = report(f, windows)
     except OSError as e:
-        sys.exit(f"stop_cpus: cannot read {args.trace}: {e.strerror}")
+        sys.exit(f"stop_cpus: cannot read {e.filename}: {e.strerror}")
+    except (ValueError, AttributeError) as e:
+        sys.exit(f"stop_cpus: {args.runs} is not compare.py's runs.jsonl: {e}")
     if args.json:
         print(json.dumps(found, indent=1))
         return
     if not found:
-        sys.exit("stop_cpus: no stop found (no vcpu0 thread left its CPU for 50 ms; was the trace taken with "
-                 "-e sched:sched_switch -a during a migration?)")
+        sys.exit("stop_cpus: no stop found (no vcpu0 thread left its CPU for 50 ms, or no run in --runs paused; was "
+                 "the trace taken with -e sched:sched_switch -a during a migration?)")
     for stop in found:
         print(f"stop at {stop['paused_s']:.6f} s: {stop['window_ms']:.2f} ms, CPUs idle {stop['idle_share']:.0%}")
         for cpu, c in stop["cpus"].items():

@@ -1,6 +1,6 @@
 """stop_cpus.py on a made-up scheduler trace: a source vCPU thread that
 ran the guest is paused, the source's fetch and the destination's
-receiving thread share the stop's CPUs, the destination's vCPU resumes."""
+decoder share the stop's CPUs, the destination's vCPU resumes."""
 
 import stop_cpus
 
@@ -26,10 +26,10 @@ def trace(back_after=None):
         t += 0.25
     lines.append(switch(0, 0, 0, PAUSE - 0.5, "swapper/0", 0, "vcpu0", 101))
     lines.append(switch(100, 101, 0, PAUSE, "vcpu0", 101, "migration", 102))
-    # In the stop: the fetch on CPU 0 for 1 ms, the receiver on CPU 1 from 0.5 ms.
+    # In the stop: the fetch on CPU 0 for 1 ms, a decoder on CPU 1 from 0.5 ms.
     lines.append(switch(100, 102, 0, PAUSE + 0.001, "migration", 102, "swapper/0", 0))
-    lines.append(switch(0, 0, 1, PAUSE + 0.0005, "swapper/1", 0, "tsubame", 201))
-    lines.append(switch(200, 201, 1, PAUSE + 0.0015, "tsubame", 201, "vcpu0", 200))
+    lines.append(switch(0, 0, 1, PAUSE + 0.0005, "swapper/1", 0, "decode-0", 201))
+    lines.append(switch(200, 201, 1, PAUSE + 0.0015, "decode-0", 201, "vcpu0", 200))
     if back_after is not None:
         lines.append(switch(0, 0, 0, PAUSE + back_after, "swapper/0", 0, "vcpu0", 101))
     # The destination's vCPU runs the guest from then on.
@@ -48,7 +48,7 @@ def test_finds_the_stop_and_its_cpu_time():
     cpu0, cpu1 = stop["cpus"][0], stop["cpus"][1]
     assert abs(cpu0["threads_ms"]["src:migration"] - 1.0) < 1e-6
     assert abs(cpu0["idle_ms"] - 0.5) < 1e-6
-    assert abs(cpu1["threads_ms"]["dst:tsubame"] - 1.0) < 1e-6
+    assert abs(cpu1["threads_ms"]["dst:decode-0"] - 1.0) < 1e-6
     assert abs(cpu1["idle_ms"] - 0.5) < 1e-6
     assert abs(stop["idle_share"] - 1.0 / 3.0) < 1e-3
 
@@ -60,3 +60,15 @@ def test_a_vcpu_back_within_50_ms_was_not_paused():
 
 def test_unreadable_lines_are_skipped():
     assert stop_cpus.report(["not a perf line", ""]) == []
+
+
+def test_stops_from_the_runs_statistics():
+    runs = ['{"vmm": "tsubame", "vmm_stats": {"paused_at_monotonic_s": %r, "downtime_ms": 1.5}}' % PAUSE,
+            '{"vmm": "qemu", "vmm_stats": null}', ""]
+    windows = stop_cpus.windows_of_runs(runs)
+    assert windows == [(PAUSE, PAUSE + 0.0015)]
+    # An idle guest: its vCPU never ran enough to tell the pause from the trace.
+    idle = [line for line in trace() if "next_comm=vcpu0 next_pid=101" not in line]
+    assert stop_cpus.report(idle) == []
+    (stop,) = stop_cpus.report(idle, windows)
+    assert abs(stop["cpus"][0]["threads_ms"]["src:migration"] - 1.0) < 1e-6

@@ -119,6 +119,12 @@ fn migrate_between_processes_and_guest_continues() {
         assert!(stats.get(field).is_some(), "stats lack {field}: {stats}");
     }
     assert!(stats["cpu_seconds"]["destination"].as_f64().unwrap() > 0.0);
+    // The pause, on the clock host traces use: within the migration, which
+    // ended before now.
+    let paused = stats["paused_at_monotonic_s"].as_f64().unwrap();
+    let now = tsubame_vmm::cpu_time::monotonic_seconds();
+    let total = stats["total_time_ms"].as_f64().unwrap() / 1e3;
+    assert!(paused > 0.0 && paused < now && paused > now - total - 60.0, "paused at {paused}, now {now}: {stats}");
     assert!(text.contains("migration completed"), "{text}");
 
     // The source process ends; the guest runs on at the destination.

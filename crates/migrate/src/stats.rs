@@ -187,6 +187,10 @@ pub struct MigrationStats {
     pub total_time_ms: f64,
     /// Source pause to destination running.
     pub downtime_ms: f64,
+    /// When the source paused the VM, in seconds of the host's
+    /// CLOCK_MONOTONIC (0 if it never did): to line the stop up with a
+    /// trace of the host, e.g. `perf record -k mono` (bench/stop_cpus.py).
+    pub paused_at_monotonic_s: f64,
     /// Connection and handshake.
     pub setup_time_ms: f64,
     /// Iterations, stop-and-copy included.

@@ -20,6 +20,20 @@ pub fn thread_cpu_seconds() -> f64 {
     thread_cpu_time().as_secs_f64()
 }
 
+/// Seconds on the host's monotonic clock (CLOCK_MONOTONIC, which
+/// `Instant` reads too): a moment other tools on this host can line up
+/// with, e.g. `perf record -k mono`.
+pub fn monotonic_seconds() -> f64 {
+    // SAFETY: clock_gettime only writes the timespec it is given, a
+    // plain-old-data value for which all-zero bytes are valid.
+    let now = unsafe {
+        let mut now: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+        now
+    };
+    now.tv_sec as f64 + now.tv_nsec as f64 / 1e9
+}
+
 /// The calling thread's CPU time so far, to the nanosecond: what a piece
 /// of work cost, not counting the time the thread waited for a CPU (on a
 /// host whose cores the guest shares, a wall clock around the same work

@@ -64,6 +64,7 @@ impl SourceRun<'_> {
         }
         self.enter(SourceState::StopAndCopy);
         let paused = Instant::now();
+        self.stats.paused_at_monotonic_s = tsubame_vmm::cpu_time::monotonic_seconds();
         let mut lap = paused;
         let mut laps = |slot: &mut f64| {
             let now = Instant::now();
