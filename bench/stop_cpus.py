@@ -177,13 +177,14 @@ def main(argv=None):
         windows = None
         if args.runs:
             with open(args.runs) as f:
-                windows = windows_of_runs(f)
+                try:
+                    windows = windows_of_runs(f)
+                except (ValueError, AttributeError) as e:
+                    sys.exit(f"stop_cpus: {args.runs} is not compare.py's runs.jsonl: {e}")
         with open(args.trace) as f:
             found = report(f, windows)
     except OSError as e:
         sys.exit(f"stop_cpus: cannot read {e.filename}: {e.strerror}")
-    except (ValueError, AttributeError) as e:
-        sys.exit(f"stop_cpus: {args.runs} is not compare.py's runs.jsonl: {e}")
     if args.json:
         print(json.dumps(found, indent=1))
         return

@@ -24,14 +24,19 @@ pub fn thread_cpu_seconds() -> f64 {
 /// `Instant` reads too): a moment other tools on this host can line up
 /// with, e.g. `perf record -k mono`.
 pub fn monotonic_seconds() -> f64 {
+    let now = clock(libc::CLOCK_MONOTONIC);
+    now.tv_sec as f64 + now.tv_nsec as f64 / 1e9
+}
+
+/// Clock `id` now.
+fn clock(id: libc::clockid_t) -> libc::timespec {
     // SAFETY: clock_gettime only writes the timespec it is given, a
     // plain-old-data value for which all-zero bytes are valid.
-    let now = unsafe {
+    unsafe {
         let mut now: libc::timespec = std::mem::zeroed();
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+        libc::clock_gettime(id, &mut now);
         now
-    };
-    now.tv_sec as f64 + now.tv_nsec as f64 / 1e9
+    }
 }
 
 /// The calling thread's CPU time so far, to the nanosecond: what a piece
@@ -39,13 +44,7 @@ pub fn monotonic_seconds() -> f64 {
 /// host whose cores the guest shares, a wall clock around the same work
 /// read up to twice as much, and more in some half hours than others).
 pub fn thread_cpu_time() -> std::time::Duration {
-    // SAFETY: clock_gettime only writes the timespec it is given, a
-    // plain-old-data value for which all-zero bytes are valid.
-    let now = unsafe {
-        let mut now: libc::timespec = std::mem::zeroed();
-        libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now);
-        now
-    };
+    let now = clock(libc::CLOCK_THREAD_CPUTIME_ID);
     std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
