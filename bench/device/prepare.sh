@@ -1,6 +1,6 @@
 #!/bin/bash
 # Fills .dev/ (ignored by git, carried to a lent device machine) with what
-# bench/device/stop_check.sh needs there and that machine lacks: a stripped
+# bench/device/stop_check.sh needs there and that machine may lack: a stripped
 # release tsubame, and ip and tc with their libraries (the harness's links
 # are veth pairs in network namespaces with a tbf qdisc).
 # Usage: bench/device/prepare.sh   (after `cargo build --release`)
