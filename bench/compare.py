@@ -22,7 +22,9 @@ before/during/after the migration.
 
 Output, in --out (default results/<date>): runs.jsonl (one JSON object per
 run, appended), table.md (medians and tsubame/QEMU ratios of this
-invocation, also printed), <case>-bars.png and <case>-timeline.png.
+invocation, tsubame-auto against the best QEMU configuration, and
+tsubame's expected against its measured downtime; also printed),
+<case>-bars.png and <case>-timeline.png.
 
 Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 and a built
 tsubame (cargo build --release). Exit status 0 when every run completed or
@@ -767,6 +769,28 @@ def best_qemu_rows(runs):
     return rows
 
 
+def expected_rows(runs):
+    """[(case, tsubame config, figures)] for each that converged at least once: of its converged runs, how many
+    stopped within ±20 % of the downtime the engine expected as it stopped (its `expected_downtime_ms`), issue 21's
+    target, with the range of expected ÷ measured and of the measured VMM downtime."""
+    rows = []
+    for case, configs in group_runs(runs).items():
+        for config, rs in configs.items():
+            pairs = [((r.get("vmm_stats") or {}).get("expected_downtime_ms"), r.get("vmm_downtime_ms")) for r in rs
+                     if r["vmm"] == "tsubame" and r["status"] == "completed" and r.get("converged")]
+            pairs = [(e, m) for e, m in pairs if ratio(e, m) is not None]
+            if not pairs:
+                continue
+            shares = [e / m for e, m in pairs]
+            rows.append((case, config, {
+                "converged": len(pairs),
+                "within": sum(1 for share in shares if abs(share - 1) <= 0.2),
+                "shares": (min(shares), max(shares)),
+                "measured_ms": (min(m for _, m in pairs), max(m for _, m in pairs)),
+            }))
+    return rows
+
+
 def fmt(value, scale=1, pattern="{:.2f}"):
     return "–" if value is None else pattern.format(value * scale)
 
@@ -801,6 +825,19 @@ def make_table(runs):
             out.append(f"| {case} | {name or 'none completed'} | {f['completed']} | {fmt(f['total'])} | "
                        f"{fmt(f['downtime'])} | {fmt(f['guest_downtime_ms'], 1, '{:.0f}')} | "
                        f"{fmt(f['granularity'])} |")
+    expected = expected_rows(runs)
+    if expected:
+        within = sum(f["within"] for _, _, f in expected)
+        converged = sum(f["converged"] for _, _, f in expected)
+        out += ["", f"tsubame's expected VMM downtime (its estimate as it stopped) against the measured one, converged "
+                f"runs: {within} of {converged} within ±20 %:", "",
+                "| case | config | within ±20 % | expected ÷ measured | measured VMM downtime (ms) |",
+                "|---|---|---|---|---|"]
+        for case, config, f in expected:
+            low, high = f["shares"]
+            shortest, longest = f["measured_ms"]
+            out.append(f"| {case} | {config} | {f['within']}/{f['converged']} | {low:.2f}-{high:.2f} | "
+                       f"{shortest:.2f}-{longest:.2f} |")
     return "\n".join(out) + "\n"
 
 

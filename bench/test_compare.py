@@ -312,6 +312,26 @@ def test_auto_against_the_better_fixed_granularity():
     assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 
+def test_expected_against_measured_downtime():
+    runs = compare.load_runs(data("ratio-runs.jsonl"))
+    # Case a's converged tsubame runs stopped 100 and 200 ms; the engine expected 115 and 130. Runs that did not
+    # converge (b's, a's timeout) and QEMU's are left out.
+    expected = iter([115, 130])
+    for r in runs:
+        if r["vmm"] == "tsubame" and r["status"] == "completed":
+            r["vmm_stats"] = {"expected_downtime_ms": next(expected, 380)}
+    [(case, config, figures)] = compare.expected_rows(runs)
+    assert (case, config) == ("a", "tsubame-auto")
+    assert (figures["converged"], figures["within"]) == (2, 1)
+    assert figures["shares"] == pytest.approx((0.65, 1.15))
+    assert figures["measured_ms"] == (100, 200)
+    table = compare.make_table(runs)
+    assert "converged runs: 1 of 2 within ±20 %:" in table
+    assert "| a | tsubame-auto | 1/2 | 0.65-1.15 | 100.00-200.00 |" in table
+    # Runs recorded without the engine's statistics have no row.
+    assert compare.expected_rows(compare.load_runs(data("ratio-runs.jsonl"))) == []
+
+
 def test_table_from_recorded_run(tmp_path):
     """--table-from needs neither root nor KVM: it prints the table of a runs.jsonl (and plots it)."""
     args = [sys.executable, os.path.join(HERE, "compare.py"), "--table-from", data("smoke-runs.jsonl"),
