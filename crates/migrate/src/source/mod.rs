@@ -8,6 +8,7 @@
 //! source VM; once COMMIT is written the source never resumes on its own.
 
 pub mod busy;
+pub mod choices;
 pub mod encode;
 pub mod engine;
 pub mod error;
@@ -88,7 +89,7 @@ fn migrate_with(
             destination: to.to_string(),
             memory_bytes: vm.memory_bytes(),
             pages_total: memory::page_count(vm.memory()),
-            choices: policy::initial_choices(options),
+            choices: choices::initial_choices(options),
             ..Default::default()
         },
         state: SourceState::Setup,
@@ -432,7 +433,7 @@ impl SourceRun<'_> {
         if let Some(sub) = &mut self.stats.subpage {
             sub.regions_repaired = self.stats.regions_repaired;
         }
-        policy::granularity_choice(&mut self.stats.choices, self.options, self.stats.subpage.as_ref());
+        choices::granularity_choice(&mut self.stats.choices, self.options, self.stats.subpage.as_ref());
         self.stats.pipeline = Some(pipeline);
         writers
     }

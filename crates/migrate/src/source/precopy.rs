@@ -7,9 +7,10 @@ use std::time::Instant;
 use tsubame_vmm::DirtyBitmap;
 
 use super::busy::Stopwatch;
+use super::choices::postcopy_choice;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
-use super::policy::{postcopy_choice, Decision, Handover};
+use super::policy::{Decision, Handover};
 use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
