@@ -87,7 +87,6 @@ pub fn postcopy_choice(choices: &mut Vec<Choice>, chose: String, why: String) {
 mod tests {
     use super::*;
     use crate::options::PostcopyMode;
-    use crate::source::policy::Handover;
 
     #[test]
     fn choices_say_whether_a_flag_or_the_default_chose() {
@@ -110,8 +109,6 @@ mod tests {
         postcopy_choice(&mut choices, "not needed".into(), "pre-copy converged".into());
         assert_eq!(choices.len(), 4);
         assert_eq!(choices[3].chose, "not needed");
-        let why = Handover::Outruns { dirtied: 90e6, carried: 60e6 }.why();
-        assert!(why.starts_with("the guest dirtied 90 MB while the link carried 60 MB"), "{why}");
     }
 
     #[test]

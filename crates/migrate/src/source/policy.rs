@@ -477,5 +477,8 @@ mod tests {
             policy.decide(&it, 8000, 30, 0, 1 << 30, &auto),
             Decision::Postcopy(Handover::WouldStop(StopReason::MaxIterations))
         );
+        // What the summary says of a guest that outran the link.
+        let why = Handover::Outruns { dirtied: 90e6, carried: 60e6 }.why();
+        assert!(why.starts_with("the guest dirtied 90 MB while the link carried 60 MB"), "{why}");
     }
 }
