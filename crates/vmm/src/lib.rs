@@ -17,6 +17,7 @@ pub mod memory;
 pub mod pci;
 pub mod persist;
 pub mod uffd;
+mod userfaultfd;
 pub mod vcpu;
 pub mod virtio_blk;
 pub mod vm;

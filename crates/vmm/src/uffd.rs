@@ -29,7 +29,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use userfaultfd::{Event, Uffd, UffdBuilder};
+use crate::userfaultfd::{InstallError, Userfaultfd};
 
 use crate::memory::{self, GuestMemory, PAGE_SIZE};
 
@@ -56,16 +56,16 @@ pub enum FaultError {
     OutOfRange(u64),
 }
 
-fn op(what: &'static str) -> impl Fn(userfaultfd::Error) -> FaultError {
-    move |e| FaultError::Op {
-        what,
-        detail: match e {
-            userfaultfd::Error::CopyFailed(errno) | userfaultfd::Error::ZeropageFailed(errno) => {
-                errno.desc().to_string()
-            }
-            other => other.to_string(),
-        },
-    }
+fn op(what: &'static str) -> impl Fn(std::io::Error) -> FaultError {
+    move |e| FaultError::Op { what, detail: e.to_string() }
+}
+
+fn install_failed(what: &'static str, e: InstallError) -> FaultError {
+    let detail = match e {
+        InstallError::Partial(bytes) => format!("stopped after {bytes} bytes"),
+        InstallError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
+    };
+    FaultError::Op { what, detail }
 }
 
 /// One missing-page fault.
@@ -133,10 +133,9 @@ pub fn thaw(mem: &GuestMemory) {
     let (ours, others): (Vec<Frozen>, Vec<Frozen>) = frozen.drain(..).partition(|f| f.base == base as usize);
     *frozen = others;
     for f in ours {
-        // SAFETY: `f.fd` is an open userfaultfd that this Uffd now owns
-        // (and closes); unregistering wakes the threads waiting on it.
-        let uffd = unsafe { <Uffd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(f.fd)) };
-        let _ = uffd.unregister(f.base as *mut libc::c_void, f.len);
+        // Unregistering wakes the threads waiting on it; dropping the
+        // descriptor closes it.
+        let _ = Userfaultfd::from(f.fd).unregister(f.base, f.len);
     }
 }
 
@@ -147,7 +146,7 @@ const FEW_PAGES: u64 = 4096;
 pub struct PageFaults {
     /// Keeps the mapping alive while faults may be served.
     _memory: std::sync::Arc<GuestMemory>,
-    uffd: Uffd,
+    uffd: Userfaultfd,
     /// Host address of guest page 0, and the pages of the mapping.
     base: usize,
     pages: u64,
@@ -159,14 +158,8 @@ impl PageFaults {
     /// present; every other page faults on first access until installed.
     pub fn register(mem: &std::sync::Arc<GuestMemory>) -> Result<PageFaults, FaultError> {
         let (base, len) = memory::single_mapping(mem).ok_or(FaultError::NotOneMapping)?;
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            .user_mode_only(false)
-            .require_features(userfaultfd::FeatureFlags::THREAD_ID)
-            .create()
-            .map_err(|e| FaultError::Unavailable(e.to_string()))?;
-        uffd.register(base.cast_mut().cast(), len).map_err(op("UFFDIO_REGISTER"))?;
+        let uffd = Userfaultfd::open().map_err(|e| FaultError::Unavailable(e.to_string()))?;
+        uffd.register(base as usize, len).map_err(op("UFFDIO_REGISTER"))?;
         Ok(PageFaults {
             _memory: mem.clone(),
             uffd,
@@ -181,11 +174,11 @@ impl PageFaults {
         self.pages
     }
 
-    fn address(&self, page: u64) -> Result<*mut libc::c_void, FaultError> {
+    fn address(&self, page: u64) -> Result<usize, FaultError> {
         if page >= self.pages {
             return Err(FaultError::OutOfRange(page));
         }
-        Ok((self.base + page as usize * PAGE_SIZE) as *mut libc::c_void)
+        Ok(self.base + page as usize * PAGE_SIZE)
     }
 
     /// Waits up to `timeout` for faults and appends them to `out` (one per
@@ -199,22 +192,18 @@ impl PageFaults {
             return Ok(());
         }
         let now = Instant::now();
+        let mut events = Vec::new();
+        self.uffd.read_faults(&mut events).map_err(op("reading a userfaultfd event"))?;
         let mut latencies = self.latencies.lock().unwrap();
-        while let Some(event) = self.uffd.read_event().map_err(op("reading a userfaultfd event"))? {
-            if let Event::Pagefault { addr, rw, thread_id, .. } = event {
-                let offset = (addr as usize).wrapping_sub(self.base);
-                let page = (offset / PAGE_SIZE) as u64;
-                if page >= self.pages {
-                    continue;
-                }
-                latencies.faults += 1;
-                latencies.waiting.entry(page).or_insert(now);
-                out.push(Fault {
-                    page,
-                    thread: thread_id.as_raw(),
-                    write: matches!(rw, userfaultfd::ReadWrite::Write),
-                });
+        for event in events {
+            let offset = (event.address as usize).wrapping_sub(self.base);
+            let page = (offset / PAGE_SIZE) as u64;
+            if page >= self.pages {
+                continue;
             }
+            latencies.faults += 1;
+            latencies.waiting.entry(page).or_insert(now);
+            out.push(Fault { page, thread: event.thread, write: event.write });
         }
         Ok(())
     }
@@ -222,19 +211,17 @@ impl PageFaults {
     fn installed(
         &self,
         page: u64,
-        result: Result<usize, userfaultfd::Error>,
+        result: Result<usize, InstallError>,
         what: &'static str,
     ) -> Result<Installed, FaultError> {
         let outcome = match result {
             Ok(_) => Installed::Now,
-            Err(userfaultfd::Error::CopyFailed(errno) | userfaultfd::Error::ZeropageFailed(errno))
-                if errno as i32 == libc::EEXIST =>
-            {
+            Err(InstallError::Errno(libc::EEXIST)) => {
                 // Present already: whoever faulted on it was woken then.
                 let _ = self.uffd.wake(self.address(page)?, PAGE_SIZE);
                 Installed::Already
             }
-            Err(e) => return Err(op(what)(e)),
+            Err(e) => return Err(install_failed(what, e)),
         };
         let mut latencies = self.latencies.lock().unwrap();
         if outcome == Installed::Now {
@@ -254,7 +241,7 @@ impl PageFaults {
         // SAFETY: `dst` is a page of the registered mapping (range checked
         // above) and `data` a readable page; UFFDIO_COPY copies it in
         // atomically and fails with EEXIST if the page is present.
-        let result = unsafe { self.uffd.copy(data.as_ptr().cast(), dst, PAGE_SIZE, true) };
+        let result = unsafe { self.uffd.copy(data.as_ptr(), dst, PAGE_SIZE) };
         self.installed(page, result, "UFFDIO_COPY")
     }
 
@@ -275,13 +262,13 @@ impl PageFaults {
         // mapping (both ends range checked) and `data` is readable for that
         // length; UFFDIO_COPY copies atomically per page and stops at the
         // first present one.
-        let result = unsafe { self.uffd.copy(data.as_ptr().cast(), dst, data.len(), true) };
+        let result = unsafe { self.uffd.copy(data.as_ptr(), dst, data.len()) };
         let installed = match result {
             // Stopped at a present page: EAGAIN, with what it copied (and
             // woke) before.
-            Ok(bytes) | Err(userfaultfd::Error::PartiallyCopied(bytes)) => (bytes / PAGE_SIZE) as u64,
-            Err(userfaultfd::Error::CopyFailed(errno)) if errno as i32 == libc::EEXIST => 0,
-            Err(e) => return Err(op("UFFDIO_COPY")(e)),
+            Ok(bytes) | Err(InstallError::Partial(bytes)) => (bytes / PAGE_SIZE) as u64,
+            Err(InstallError::Errno(libc::EEXIST)) => 0,
+            Err(e) => return Err(install_failed("UFFDIO_COPY", e)),
         };
         for page in first..first + installed {
             self.installed(page, Ok(PAGE_SIZE), "UFFDIO_COPY")?;
@@ -314,8 +301,7 @@ impl PageFaults {
     /// Installs a zero page (`UFFDIO_ZEROPAGE`) and wakes its waiters.
     pub fn install_zero(&self, page: u64) -> Result<Installed, FaultError> {
         let dst = self.address(page)?;
-        // SAFETY: `dst` is a page of the registered mapping (range checked).
-        let result = unsafe { self.uffd.zeropage(dst, PAGE_SIZE, true) };
+        let result = self.uffd.zeropage(dst, PAGE_SIZE);
         self.installed(page, result, "UFFDIO_ZEROPAGE")
     }
 
@@ -332,7 +318,7 @@ impl PageFaults {
         // SAFETY: the range lies inside the registered private anonymous
         // mapping (checked above); MADV_DONTNEED drops its pages, which then
         // read as missing.
-        let r = unsafe { libc::madvise(start, count as usize * PAGE_SIZE, libc::MADV_DONTNEED) };
+        let r = unsafe { libc::madvise(start as *mut libc::c_void, count as usize * PAGE_SIZE, libc::MADV_DONTNEED) };
         if r != 0 {
             return Err(FaultError::Op { what: "MADV_DONTNEED", detail: std::io::Error::last_os_error().to_string() });
         }
@@ -428,7 +414,7 @@ impl PageFaults {
     /// the kernel on access, as in any anonymous mapping.
     pub fn unregister(&self) -> Result<(), FaultError> {
         self.uffd
-            .unregister(self.base as *mut libc::c_void, self.pages as usize * PAGE_SIZE)
+            .unregister(self.base, self.pages as usize * PAGE_SIZE)
             .map_err(op("UFFDIO_UNREGISTER"))
     }
 
@@ -440,10 +426,7 @@ impl PageFaults {
     /// once the vCPU is told to stop: it leaves KVM_RUN before it could
     /// run guest code again.
     pub fn freeze(&self) -> Result<(), FaultError> {
-        // SAFETY: the descriptor is this object's own open userfaultfd; it
-        // is only borrowed for the duplication.
-        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.uffd.as_raw_fd()) };
-        let kept = fd.try_clone_to_owned().map_err(|e| FaultError::Op { what: "dup", detail: e.to_string() })?;
+        let kept = self.uffd.try_clone().map_err(|e| FaultError::Op { what: "dup", detail: e.to_string() })?;
         FROZEN.lock().unwrap().push(Frozen { base: self.base, len: self.pages as usize * PAGE_SIZE, fd: kept });
         Ok(())
     }
