@@ -48,6 +48,7 @@ impl Drop for AutoMemoryHost {
 impl AutoMemoryHost {
     /// `nbdkit memory BYTES` on a fresh socket; its URI.
     fn start(bytes: u64) -> anyhow::Result<(AutoMemoryHost, String)> {
+        install_nbdkit_if_missing()?;
         let dir = std::env::temp_dir().join(format!("tsubame-memhost-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let socket = dir.join("memory.sock");
@@ -79,6 +80,30 @@ impl AutoMemoryHost {
         }
         Ok((host, format!("nbd+unix:///?socket={}", socket.display())))
     }
+}
+
+/// Runs the project's set-up for nbdkit when it is missing and this binary
+/// was built from a checkout that has scripts/setup.sh (as README's
+/// `cargo run` does): it installs nbdkit as root, or prints the one sudo
+/// command and fails.
+fn install_nbdkit_if_missing() -> anyhow::Result<()> {
+    let present = Command::new("nbdkit")
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    let setup = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/setup.sh");
+    if present || !setup.exists() {
+        return Ok(());
+    }
+    eprintln!("--far-memory auto needs nbdkit: running {} nbdkit", setup.display());
+    let status = Command::new("bash").arg(&setup).arg("nbdkit").status()?;
+    if !status.success() {
+        anyhow::bail!("--far-memory auto needs nbdkit, which scripts/setup.sh did not install (see above)");
+    }
+    Ok(())
 }
 
 /// A booted VM, not started yet, with far memory prepared when asked for.

@@ -1,5 +1,5 @@
-//! Far memory against a real memory host (`nbdkit memory`, which must be
-//! installed: without it these tests fail rather than skip): every
+//! Far memory against a real memory host (`nbdkit memory`; without it
+//! these tests are skipped, or fail under TSUBAME_REQUIRE_TOOLS): every
 //! workload runs with most of its memory far, a mirrored memory host may
 //! die, losing every host pauses the VM with a clear error, and bad
 //! exports are one-line errors before any VM runs. A VM with far memory
@@ -79,7 +79,7 @@ fn far(stats: &Value, key: &str) -> u64 {
 
 #[test]
 fn every_workload_runs_with_most_of_its_memory_far() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-workloads");
@@ -105,7 +105,7 @@ fn every_workload_runs_with_most_of_its_memory_far() {
 
 #[test]
 fn a_mirrored_memory_host_may_die_and_the_vm_runs_on() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-mirror");
@@ -133,7 +133,7 @@ fn a_mirrored_memory_host_may_die_and_the_vm_runs_on() {
 
 #[test]
 fn a_memory_host_that_returns_other_bytes_is_dropped_for_its_mirror() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-corrupt");
@@ -164,7 +164,7 @@ fn a_memory_host_that_returns_other_bytes_is_dropped_for_its_mirror() {
 
 #[test]
 fn losing_every_memory_host_pauses_the_vm_with_a_clear_error() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-lost");
@@ -200,7 +200,7 @@ fn losing_every_memory_host_pauses_the_vm_with_a_clear_error() {
 
 #[test]
 fn bad_far_memory_options_are_one_line_errors() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-bad");
@@ -230,7 +230,7 @@ fn migrate(dir: &Path, source: &Path, incoming: &str, extra: &[&str]) -> (Option
 
 #[test]
 fn a_vm_with_far_memory_migrates_without_its_far_pages() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-migrate");
@@ -282,7 +282,7 @@ fn a_vm_with_far_memory_migrates_without_its_far_pages() {
 
 #[test]
 fn a_failed_far_memory_migration_leaves_the_vm_evicting_here() {
-    if !kvm_or_skip() {
+    if !kvm_or_skip() || !tsubame_testkit::program("nbdkit") {
         return;
     }
     let dir = scratch("far-migrate-fail");

@@ -376,7 +376,7 @@ fn gpu_without_a_driver_is_one_clear_line() {
         return;
     }
     if tsubame_gpu_driver_present() {
-        println!("skipped: a CUDA driver is present, so --gpu would not fail here");
+        tsubame_testkit::skip("a CUDA driver is present, so --gpu would not fail here");
         return;
     }
     let dir = scratch("gpu-none");

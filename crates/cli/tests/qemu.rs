@@ -9,15 +9,7 @@ use std::time::Duration;
 use common::{kvm_or_skip, ops_in, scratch, tsubame};
 
 fn qemu_present() -> bool {
-    let found = Command::new("qemu-system-x86_64").arg("--version").stdout(Stdio::null()).status().is_ok();
-    if !found {
-        assert!(
-            std::env::var("TSUBAME_REQUIRE_KVM").is_err(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)"
-        );
-        eprintln!("skipped: no qemu-system-x86_64");
-    }
-    found
+    tsubame_testkit::program("qemu-system-x86_64")
 }
 
 fn boot_under_qemu(workload: &str) -> String {

@@ -1,7 +1,7 @@
 //! On a GPU: the kernels against the CPU codecs on ≥ 10,000 pages of
 //! random, structured and kv-like data, byte for byte, and round trips
-//! both ways. Without a CUDA driver every test prints
-//! `skipped: no CUDA driver` and returns.
+//! both ways. Without a CUDA driver every test is skipped
+//! (`tsubame_testkit::skip`), or fails under `TSUBAME_REQUIRE_GPU=1`.
 
 mod common;
 
@@ -11,7 +11,7 @@ use tsubame_gpu::{cuda, Cuda, CudaOptions, GpuDecoder, GpuEncoder, WaitPolicy};
 
 fn gpu(wait: WaitPolicy) -> Option<Cuda> {
     if !cuda::driver_present() {
-        println!("skipped: no CUDA driver");
+        tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", "no CUDA driver");
         return None;
     }
     Some(Cuda::open(CudaOptions { wait, ..Default::default() }).unwrap_or_else(|e| panic!("{e}")))

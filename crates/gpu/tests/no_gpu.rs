@@ -6,7 +6,7 @@ use tsubame_gpu::{cuda, kernels, nvrtc::Nvrtc, Cuda, CudaOptions, GpuError};
 #[test]
 fn asking_for_the_gpu_without_a_driver_is_one_clear_line() {
     if cuda::driver_present() {
-        println!("skipped: a CUDA driver is present (tests/gpu.rs covers it)");
+        tsubame_testkit::skip("a CUDA driver is present (tests/gpu.rs covers it)");
         return;
     }
     let e = Cuda::open(CudaOptions::default()).err().expect("no driver, no GPU");
@@ -21,7 +21,7 @@ fn nvrtc_compiles_every_kernel() {
     let nvrtc = match Nvrtc::load() {
         Ok(n) => n,
         Err(e) => {
-            println!("skipped: {e}");
+            tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", e);
             return;
         }
     };
@@ -44,7 +44,7 @@ fn nvcomp_absent_is_a_clear_error() {
         Err(e) => {
             let line = e.to_string();
             assert!(line.starts_with("nvCOMP unavailable: libnvcomp.so not found"), "{line}");
-            println!("skipped: {line}");
+            tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", line);
         }
     }
 }

@@ -19,18 +19,6 @@ pub enum KvmError {
     MissingCapability(&'static str),
 }
 
-/// For tests that need KVM: true when /dev/kvm exists. Without it they
-/// skip (saying so), unless TSUBAME_REQUIRE_KVM is set (CI sets it where
-/// /dev/kvm exists), in which case a missing /dev/kvm fails them.
-pub fn kvm_tests_enabled() -> bool {
-    if std::path::Path::new("/dev/kvm").exists() {
-        return true;
-    }
-    assert!(std::env::var("TSUBAME_REQUIRE_KVM").is_err(), "/dev/kvm is missing but TSUBAME_REQUIRE_KVM is set");
-    eprintln!("skipped: no /dev/kvm");
-    false
-}
-
 /// Opens /dev/kvm and checks the capabilities every VM needs.
 pub fn open() -> Result<Kvm, KvmError> {
     let kvm = Kvm::new().map_err(|e| match e.errno() {

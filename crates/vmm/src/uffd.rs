@@ -28,8 +28,8 @@ use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use crate::userfaultfd::{InstallError, Userfaultfd};
+use serde::{Deserialize, Serialize};
 
 use crate::memory::{self, GuestMemory, PAGE_SIZE};
 
@@ -413,9 +413,7 @@ impl PageFaults {
     /// Stops serving faults: afterwards a missing page is zero-filled by
     /// the kernel on access, as in any anonymous mapping.
     pub fn unregister(&self) -> Result<(), FaultError> {
-        self.uffd
-            .unregister(self.base, self.pages as usize * PAGE_SIZE)
-            .map_err(op("UFFDIO_UNREGISTER"))
+        self.uffd.unregister(self.base, self.pages as usize * PAGE_SIZE).map_err(op("UFFDIO_UNREGISTER"))
     }
 
     /// Makes the missing pages unresolvable until the VM is torn down: a

@@ -195,7 +195,8 @@ impl Userfaultfd {
 
     /// Installs zero pages at `dst..dst + len` and wakes their waiters.
     pub fn zeropage(&self, dst: usize, len: usize) -> Result<usize, InstallError> {
-        let mut zero = UffdioZeropage { range: UffdioRange { start: dst as u64, len: len as u64 }, mode: 0, zeropage: 0 };
+        let mut zero =
+            UffdioZeropage { range: UffdioRange { start: dst as u64, len: len as u64 }, mode: 0, zeropage: 0 };
         // SAFETY: UFFDIO_ZEROPAGE reads and writes one uffdio_zeropage; the
         // kernel only maps zero pages into registered missing ranges.
         let r = unsafe { ioctl_with_mut_ref(&self.fd, UFFDIO_ZEROPAGE(), &mut zero) };
@@ -206,14 +207,13 @@ impl Userfaultfd {
     /// other events are dropped.
     pub fn read_faults(&self, out: &mut Vec<PageFault>) -> io::Result<()> {
         const BATCH: usize = 64;
-        let zero = UffdMsg { event: 0, reserved1: 0, reserved2: 0, reserved3: 0, flags: 0, address: 0, ptid: 0, pad: 0 };
+        let zero =
+            UffdMsg { event: 0, reserved1: 0, reserved2: 0, reserved3: 0, flags: 0, address: 0, ptid: 0, pad: 0 };
         let mut msgs = [zero; BATCH];
         loop {
             // SAFETY: `msgs` is writable for its whole size; the kernel
             // writes whole uffd_msg records into it.
-            let n = unsafe {
-                libc::read(self.fd.as_raw_fd(), msgs.as_mut_ptr().cast(), std::mem::size_of_val(&msgs))
-            };
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), msgs.as_mut_ptr().cast(), std::mem::size_of_val(&msgs)) };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 return match e.raw_os_error() {

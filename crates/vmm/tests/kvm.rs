@@ -8,7 +8,7 @@ use crossbeam_channel::Receiver;
 use tsubame_vmm::{guest_elf::GUEST_ELF, memory, ConsoleLine, DirtyBitmap, VcpuStatus, Vm, VmConfig};
 
 fn kvm_or_skip() -> bool {
-    tsubame_vmm::kvm::kvm_tests_enabled()
+    tsubame_testkit::kvm()
 }
 
 fn boot(memory_bytes: u64, args: &str) -> (Vm, Receiver<ConsoleLine>) {

@@ -9,9 +9,9 @@ pub fn tsubame() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tsubame"))
 }
 
-/// True when KVM tests can run (see `kvm_tests_enabled`).
+/// True when KVM tests can run (`tsubame_testkit::kvm`).
 pub fn kvm_or_skip() -> bool {
-    tsubame_vmm::kvm::kvm_tests_enabled()
+    tsubame_testkit::kvm()
 }
 
 /// A fresh scratch directory under the system temp dir, removed when the

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use tsubame_vmm::{guest_elf, ConsoleLine};
 
-/// True when KVM tests can run (`tsubame_vmm::kvm::kvm_tests_enabled`:
-/// false without /dev/kvm, a failure when CI requires it).
+/// True when KVM tests can run (`tsubame_testkit::kvm`: skipped without
+/// /dev/kvm, a failure when CI requires it).
 pub fn kvm_or_skip() -> bool {
-    tsubame_vmm::kvm::kvm_tests_enabled()
+    tsubame_testkit::kvm()
 }
 
 /// The guest's ops counters printed within `span`; fails on a guest error.
