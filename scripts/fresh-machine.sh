@@ -92,6 +92,13 @@ in_root() {
         PATH=/opt/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         CARGO_TERM_PROGRESS_WHEN=never "$@"
 }
+# This workplace reaches package registries through a TLS proxy with its
+# own CA, which every machine here has in its base system: the clean root
+# gets the same local CAs (ca-certificates adds them to the bundle).
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+    mkdir -p "$dir/usr/local/share/ca-certificates"
+    cp /usr/local/share/ca-certificates/*.crt "$dir/usr/local/share/ca-certificates/"
+fi
 echo "fresh: apt-get install gcc ca-certificates (README's \"Needs\": Rust and gcc)"
 in_root sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc ca-certificates >/dev/null'
 git clone -q --no-local "$repo" "$dir/root/tsubame"
