@@ -16,10 +16,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Each need: a name, how to tell it is there, the Debian package(s).
+# (c++: the GPU kernel emulator, which the tests use; the build does
+# without it.)
 # "backports:" marks packages taken from bookworm-backports on bookworm.
 needs=(
     "gcc|command -v gcc|gcc"
     "ld|command -v ld && command -v objcopy|binutils"
+    "c++|command -v c++|g++"
     "nbdkit|command -v nbdkit|nbdkit"
     "qemu-system-x86_64|qemu_is_10|backports:qemu-system-x86"
     "qemu-nbd|command -v qemu-nbd && command -v qemu-img|backports:qemu-utils"

@@ -27,7 +27,7 @@ fn main() -> ExitCode {
     match args.first().map(String::as_str) {
         Some("test") => {
             let extra = match args.get(1).map(String::as_str) {
-                None => &args[2..],
+                None => &[][..],
                 Some("--") => &args[2..],
                 Some(other) => return usage_error(&format!("unknown argument '{other}'")),
             };

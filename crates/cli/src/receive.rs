@@ -236,8 +236,19 @@ fn receive_memory_only(listener: &Listener, options: &ReceiveOptions) -> anyhow:
         .map_err(|e| anyhow::anyhow!("incoming migration refused: {e}"))?;
     let mut landing = MemoryLanding { max_bytes: tsubame_vmm::memory::MAX_MEMORY, memory: None, started: false };
     let log = |m: &str| eprintln!("tsubame: {m}");
-    let received = receive_into(stream, Some(listener), options, &log, &mut landing)
+    let mut received = receive_into(stream, Some(listener), options, &log, &mut landing)
         .map_err(|e| anyhow::anyhow!("incoming migration failed: {e}"))?;
+    if let Some(postcopy) = received.postcopy.take() {
+        // The source switched to post-copy: the memory is ours only once
+        // every page has come, so stay until then (no guest faults here,
+        // the source pushes them all).
+        let outcome = postcopy.wait().map_err(|e| anyhow::anyhow!("post-copy failed: {e}"))?;
+        eprintln!(
+            "tsubame: post-copy done: every page here after {:.1} s ({} asked for)",
+            outcome.duration.as_secs_f64(),
+            outcome.requested
+        );
+    }
     eprintln!(
         "tsubame: memory received and verified: {} iterations, {} bytes in {:.1} ms, {:.2} CPU-seconds",
         received.iterations,

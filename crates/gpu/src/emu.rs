@@ -10,10 +10,36 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use crate::backend::{Arg, Backend, DevPtr, Packed};
 use crate::GpuError;
 
+#[cfg(not(gpu_emulator_missing))]
 extern "C" {
     fn tsubame_emu_launch(name: *const c_char, grid: c_uint, block: c_uint, params: *mut *mut c_void) -> c_int;
     fn tsubame_emu_kernel_count() -> c_uint;
     fn tsubame_emu_kernel_name(i: c_uint) -> *const c_char;
+}
+
+/// Built without a C++ compiler (see build.rs): no kernels, every launch
+/// fails. [`available`] says so before anything is launched.
+#[cfg(gpu_emulator_missing)]
+mod missing {
+    use std::ffi::{c_char, c_int, c_uint, c_void};
+
+    pub unsafe fn tsubame_emu_launch(_: *const c_char, _: c_uint, _: c_uint, _: *mut *mut c_void) -> c_int {
+        -1
+    }
+    pub unsafe fn tsubame_emu_kernel_count() -> c_uint {
+        0
+    }
+    pub unsafe fn tsubame_emu_kernel_name(_: c_uint) -> *const c_char {
+        c"".as_ptr()
+    }
+}
+#[cfg(gpu_emulator_missing)]
+use missing::*;
+
+/// True when the emulator was built (a C++ compiler was there at build
+/// time).
+pub fn available() -> bool {
+    !cfg!(gpu_emulator_missing)
 }
 
 /// The kernel names the emulator has trampolines for.

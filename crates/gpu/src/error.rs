@@ -19,6 +19,9 @@ pub enum GpuError {
         /// Its result code.
         code: String,
     },
+    /// This binary was built without the kernel emulator.
+    #[error("the GPU kernel emulator was not built (no C++ compiler when tsubame was built): install g++ and rebuild")]
+    NoEmulator,
     /// libnvrtc could not be loaded.
     #[error("no NVRTC library found (set TSUBAME_NVRTC to libnvrtc.so.12, or pip install nvidia-cuda-nvrtc-cu12)")]
     NoNvrtc,

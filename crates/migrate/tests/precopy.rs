@@ -352,6 +352,13 @@ fn gpu_path_on_the_kernel_emulator_migrates_and_verifies() {
     if !kvm_or_skip() {
         return;
     }
+    if !tsubame_gpu::emu::available() {
+        tsubame_testkit::skip_unless_required(
+            "TSUBAME_REQUIRE_TOOLS",
+            "the GPU kernel emulator was not built (no C++ compiler)",
+        );
+        return;
+    }
     // The GPU kernels compiled for the host, through the pipeline's GPU
     // path; the destination decodes the records with the CPU codecs.
     //

@@ -103,6 +103,7 @@ fn open_gpu(gpu: GpuOffload, codecs: &CodecList, batch_pages: usize) -> Result<B
             let cuda = Cuda::open(CudaOptions { max_pages: batch_pages, wait, ..CudaOptions::default() })?;
             Box::new(GpuEncoder::new(cuda, codecs, batch_pages)?)
         }
+        GpuOffload::Emulator if !tsubame_gpu::emu::available() => return Err(GpuError::NoEmulator),
         GpuOffload::Emulator => Box::new(GpuEncoder::new(Emulator::new(2), codecs, batch_pages)?),
     })
 }
