@@ -5,8 +5,10 @@
 //! so that the real migration and the pseudo-migration share one copy.
 
 pub mod auto_converge;
+pub mod clock;
 pub mod format;
 pub mod plan;
+mod replay;
 pub mod simulate;
 
 pub use format::{Interval, PageChange, Setup, Trace, TraceError, TraceWriter};

@@ -9,7 +9,10 @@ use serde::Serialize;
 
 use crate::auto_converge::AutoConverge;
 use crate::format::Trace;
+use crate::replay::{run_guest, Dirty, ReplayState};
 use tsubame_codec::PAGE_SIZE;
+
+pub use crate::clock::GuestClock;
 
 /// Bytes of a page record's header in tsubame's stream.
 pub const RECORD_HEADER: f64 = 13.0;
@@ -186,22 +189,6 @@ pub fn simulate_with_spread(trace: &Trace, method: Method, options: &SimOptions,
     result
 }
 
-/// What one page costs to send once it is dirty.
-#[derive(Debug, Clone, Copy, Default)]
-struct Dirty {
-    mask: u64,
-    xbzrle: u32,
-    zero: bool,
-}
-
-impl Dirty {
-    fn add(&mut self, c: &crate::format::PageChange) {
-        self.mask |= c.mask;
-        self.xbzrle = (self.xbzrle + c.xbzrle_bytes).min(PAGE_SIZE as u32 + 1);
-        self.zero = c.zero;
-    }
-}
-
 /// Bytes to send a dirty page by `method`.
 fn cost(method: Method, d: &Dirty, granularity: u32) -> f64 {
     let full = PAGE_SIZE as f64 + RECORD_HEADER;
@@ -218,215 +205,6 @@ fn cost(method: Method, d: &Dirty, granularity: u32) -> f64 {
     }
 }
 
-/// The trace on the guest's own clock: each interval's position in
-/// seconds of undisturbed guest work, and what a write-protect fault
-/// costs the guest in wall time.
-///
-/// Dirty logging slows a guest: every first write to a protected page
-/// faults (expensive under PVM, where ring 0 is emulated), and a tracer
-/// re-protects every page each tick, a migration only once per iteration.
-/// So the trace is replayed by guest work, not wall time: from the ops
-/// counter recorded with each interval and the guest's speed before
-/// recording, `work` places each interval, and the wall time the tracer
-/// cost beyond that work, divided by the faults it caused (one per
-/// recorded change), gives `fault_s`. A migration's iteration of T wall
-/// seconds then lets the guest do Δw of work where
-/// `Δw / guest_speed + fault_s × (pages first-written in Δw) = T`.
-/// Traces without ops (version 1) replay on wall time with no fault cost.
-#[derive(Debug, Clone)]
-pub struct GuestClock {
-    /// Work-seconds at each interval's end, ascending.
-    pub work: Vec<f64>,
-    /// Work-seconds of one pass over the trace.
-    pub span: f64,
-    /// Wall seconds one fault costs the guest.
-    pub fault_s: f64,
-    /// The interval a replay goes on from after the trace's end: the first
-    /// past half its work. Its start is the tracer's warm-up (the writes
-    /// of the first pass, every page faulting once, 2 MiB pieces being
-    /// split), which a migration already running does not see again.
-    pub loop_from: usize,
-}
-
-impl GuestClock {
-    /// The clock of `trace`.
-    pub fn of(trace: &Trace) -> GuestClock {
-        let wall: Vec<f64> = trace.intervals.iter().map(|i| i.at_us as f64 / 1e6).collect();
-        if !trace.has_guest_ops() {
-            let span = wall.last().zip(wall.first()).map_or(0.0, |(l, f)| l - f);
-            let loop_from = loop_from(&wall, span);
-            return GuestClock { work: wall, span, fault_s: 0.0, loop_from };
-        }
-        let native = trace.setup.native_ops_per_sec as f64;
-        // The counter moves in steps (a progress line every ~50 ms of guest
-        // work): place each step at the first tick that saw it and
-        // interpolate between steps.
-        let mut steps: Vec<(f64, f64)> = vec![(wall[0], trace.intervals[0].ops as f64)];
-        for (i, interval) in trace.intervals.iter().enumerate() {
-            if interval.ops as f64 > steps.last().unwrap().1 {
-                steps.push((wall[i], interval.ops as f64));
-            }
-        }
-        let ops_at = |t: f64| -> f64 {
-            let k = steps.partition_point(|&(at, _)| at <= t);
-            if k == 0 {
-                return steps[0].1;
-            }
-            if k == steps.len() {
-                return steps[k - 1].1;
-            }
-            let ((t0, o0), (t1, o1)) = (steps[k - 1], steps[k]);
-            o0 + (o1 - o0) * (t - t0) / (t1 - t0)
-        };
-        let base = steps[0].1;
-        let work: Vec<f64> = wall.iter().map(|&t| (ops_at(t) - base) / native).collect();
-        let span = *work.last().unwrap();
-        // Wall time until the last step, less the work done in it, is what
-        // the faults (and the tracer's work per fault) cost the guest.
-        // Interval 0 (the tracer's first pass) is outside the work clock.
-        let last_step = steps.last().unwrap().0;
-        let faults: usize = trace
-            .intervals
-            .iter()
-            .zip(&wall)
-            .skip(1)
-            .filter(|(_, &t)| t <= last_step)
-            .map(|(i, _)| i.changes.len())
-            .sum();
-        let wall_span = last_step - wall[0];
-        let fault_s = if faults > 0 { ((wall_span - span) / faults as f64).max(0.0) } else { 0.0 };
-        let loop_from = loop_from(&work, span);
-        GuestClock { work, span, fault_s, loop_from }
-    }
-}
-
-/// The first interval (never 0) whose work is past half of `span`; 1
-/// when the part after it holds no work (a lap must move the clock).
-fn loop_from(work: &[f64], span: f64) -> usize {
-    let (Some(&first), Some(&last)) = (work.first(), work.last()) else {
-        return 1;
-    };
-    let half = first + span / 2.0;
-    match work.iter().position(|&w| w > half) {
-        Some(i) if i >= 1 && last > work[i - 1] => i,
-        _ => 1,
-    }
-}
-
-/// Pages per 2 MiB piece.
-const HUGE: u64 = 512;
-
-/// Which 2 MiB pieces KVM still maps whole (one bit each).
-struct HugeMaps {
-    whole: Vec<u64>,
-}
-
-impl HugeMaps {
-    fn new(pages: u64, huge: bool) -> HugeMaps {
-        let pieces = pages.div_ceil(HUGE);
-        let word = if huge { u64::MAX } else { 0 };
-        HugeMaps { whole: vec![word; pieces.div_ceil(64) as usize] }
-    }
-
-    /// A write dirtied `page`: if its piece was mapped whole, it is split
-    /// now and the piece's first page returned.
-    fn split(&mut self, page: u64) -> Option<u64> {
-        let piece = page / HUGE;
-        let (w, bit) = ((piece / 64) as usize, 1u64 << (piece % 64));
-        (self.whole[w] & bit != 0).then(|| {
-            self.whole[w] &= !bit;
-            piece * HUGE
-        })
-    }
-}
-
-/// What the replay carries from one iteration to the next.
-struct ReplayState {
-    cursor: Cursor,
-    /// Pages faulted in the current iteration (one bit each).
-    faulted: Vec<u64>,
-    huge: HugeMaps,
-}
-
-/// Where the replay stands: the next interval, and the work-seconds
-/// added to the trace's own for the laps already replayed. Interval 0 is
-/// never replayed: it holds what the guest dirtied while the tracer first
-/// read all memory, over a stretch of work the trace cannot place (the
-/// ops counter starts at its end).
-#[derive(Debug, Clone, Copy)]
-struct Cursor {
-    base: f64,
-    next: usize,
-}
-
-impl Default for Cursor {
-    fn default() -> Cursor {
-        Cursor { base: 0.0, next: 1 }
-    }
-}
-
-/// One iteration of the guest running while `sending` goes out: walks the
-/// trace from `cursor` until `wall_s` seconds of the guest's time are
-/// used, and returns what is dirty afterwards. A page of `sending` written
-/// before its turn (`send_at`, seconds into the iteration) goes out with
-/// that write, as it does when the sender clears each chunk's dirty bits
-/// just before reading its pages; any other write dirties the page for the
-/// next iteration.
-fn run_guest(
-    trace: &Trace,
-    clock: &GuestClock,
-    options: &SimOptions,
-    state: &mut ReplayState,
-    wall_s: f64,
-    send_at: &dyn Fn(u64) -> Option<f64>,
-) -> (std::collections::BTreeMap<u64, Dirty>, f64) {
-    let ReplayState { cursor, faulted, huge } = state;
-    let mut next = std::collections::BTreeMap::new();
-    faulted.iter_mut().for_each(|w| *w = 0);
-    if clock.span <= 0.0 || trace.intervals.len() < 2 {
-        return (next, 0.0);
-    }
-    let start_work = cursor.base + clock.work[cursor.next - 1];
-    let mut faults = 0u64;
-    let mut work = 0.0;
-    loop {
-        let i = cursor.next;
-        let at_work = cursor.base + clock.work[i];
-        let elapsed = (at_work - start_work) / options.guest_speed + clock.fault_s * faults as f64;
-        if elapsed > wall_s {
-            break;
-        }
-        work = at_work - start_work;
-        for c in &trace.intervals[i].changes {
-            let (w, bit) = ((c.page / 64) as usize, 1u64 << (c.page % 64));
-            if faulted[w] & bit == 0 {
-                faulted[w] |= bit;
-                faults += 1;
-            }
-            match send_at(c.page) {
-                Some(turn) if elapsed < turn => {}
-                _ => {
-                    if let Some(first) = huge.split(c.page) {
-                        // The whole piece reads as dirty, though unchanged.
-                        let pages = trace.setup.pages();
-                        for p in first..(first + HUGE).min(pages) {
-                            next.entry(p).or_insert(Dirty { mask: 0, xbzrle: 0, zero: !trace.is_nonzero(p) });
-                        }
-                    }
-                    next.entry(c.page).or_insert_with(Dirty::default).add(c)
-                }
-            }
-        }
-        cursor.next += 1;
-        if cursor.next == trace.intervals.len() {
-            // On from `loop_from`, whose predecessor lines up with the end.
-            cursor.base += clock.work[clock.work.len() - 1] - clock.work[clock.loop_from - 1];
-            cursor.next = clock.loop_from;
-        }
-    }
-    (next, work)
-}
-
 /// Replays `trace` under `method` and `options`, with tsubame's stop
 /// rules: converged when the rest fits the downtime limit, else give up
 /// after `max_iterations` or once three times the memory was sent.
@@ -435,11 +213,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let granularity = trace.setup.granularity;
     let clock = GuestClock::of(trace);
     let full = PAGE_SIZE as f64 + RECORD_HEADER;
-    let mut state = ReplayState {
-        cursor: Cursor::default(),
-        faulted: vec![0u64; pages.div_ceil(64) as usize],
-        huge: HugeMaps::new(pages, options.huge_pages.unwrap_or(trace.setup.huge_pages)),
-    };
+    let mut state = ReplayState::new(trace, options.huge_pages.unwrap_or(trace.setup.huge_pages));
     let mut iterations: Vec<SimIteration> = Vec::new();
     let mut now = 0.0;
     // Iteration 0: every page in order, the non-zero ones whole.
@@ -453,10 +227,9 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
     let mut auto_converge = AutoConverge::default();
     let (converged, reason, last) = loop {
         let duration = bytes / options.bandwidth;
-        let turn = |p: u64| Some(send_at[p as usize]).filter(|t| !t.is_nan());
         let throttle = auto_converge.fraction;
-        let running = options.guest_speed_times(1.0 - throttle);
-        let (dirty, work) = run_guest(trace, &clock, &running, &mut state, duration, &turn);
+        let speed = options.guest_speed * (1.0 - throttle);
+        let work = run_guest(trace, &clock, speed, &mut state, duration, &send_at);
         let guest_speed = if duration > 0.0 { work / duration } else { 0.0 };
         iterations.push(SimIteration {
             index: iterations.len() as u32,
@@ -470,7 +243,7 @@ pub fn simulate(trace: &Trace, method: Method, options: &SimOptions) -> SimResul
         send_at.iter_mut().for_each(|t| *t = f64::NAN);
         bytes = 0.0;
         count = 0;
-        for (&p, d) in &dirty {
+        for (p, d) in state.dirty.iter() {
             let c = cost(method, d, granularity);
             if c > 0.0 {
                 send_at[p as usize] = bytes / options.bandwidth;
