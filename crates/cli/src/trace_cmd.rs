@@ -2,12 +2,16 @@
 //! it as a pseudo-migration, and predict migrations from a fitted model.
 
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::Duration;
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
-use tsubame_trace::simulate::{simulate_with_spread, GuestClock, Method, SimOptions, Spread, GUEST_SPEED_WANDER};
+use tsubame_trace::simulate::{
+    replays_with_spread, simulate_with_spread_reporting, GuestClock, Method, SimOptions, Spread, GUEST_SPEED_WANDER,
+};
 use tsubame_trace::Trace;
 
 use crate::control::ControlClient;
@@ -114,6 +118,43 @@ fn print_clock(trace: &Trace) {
     }
 }
 
+/// A bar on stderr that shows only once the work has taken `delay`: a
+/// replay is mostly over in well under a second, and should print nothing
+/// but its results then.
+struct LateBar {
+    bar: ProgressBar,
+    finished: Option<mpsc::Sender<()>>,
+    shower: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LateBar {
+    fn new(len: u64, delay: Duration) -> LateBar {
+        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {elapsed_precise} [{bar:30}] {pos}/{len} replays {msg}")
+                .expect("valid template"),
+        );
+        let (finished, wait) = mpsc::channel::<()>();
+        let late = bar.clone();
+        let shower = std::thread::spawn(move || {
+            // Only a timeout shows it: finishing drops the sender first.
+            if wait.recv_timeout(delay) == Err(mpsc::RecvTimeoutError::Timeout) {
+                late.set_draw_target(ProgressDrawTarget::stderr());
+                late.enable_steady_tick(Duration::from_millis(100));
+            }
+        });
+        LateBar { bar, finished: Some(finished), shower: Some(shower) }
+    }
+
+    fn finish(mut self) {
+        drop(self.finished.take());
+        if let Some(shower) = self.shower.take() {
+            let _ = shower.join();
+        }
+        self.bar.finish_and_clear();
+    }
+}
+
 /// Options of `tsubame simulate`.
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -211,8 +252,15 @@ pub fn simulate_cmd(args: SimulateArgs) -> anyhow::Result<()> {
         format_bytes(options.bandwidth as u64)
     );
     print_clock(&trace);
-    let results: Vec<_> =
-        methods.iter().map(|&m| simulate_with_spread(&trace, m, &options, args.speed_spread)).collect();
+    let bar = LateBar::new(methods.len() as u64 * replays_with_spread(args.speed_spread), Duration::from_secs(2));
+    let results: Vec<_> = methods
+        .iter()
+        .map(|&m| {
+            bar.bar.set_message(m.name());
+            simulate_with_spread_reporting(&trace, m, &options, args.speed_spread, &mut || bar.bar.inc(1))
+        })
+        .collect();
+    bar.finish();
     let rows = results.iter().map(|r| r.iterations.len()).max().unwrap_or(0);
     print!("{:>9}", "iteration");
     for r in &results {

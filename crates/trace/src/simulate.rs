@@ -167,11 +167,36 @@ impl Spread {
 
 /// `simulate`, plus the replays with the guest `1 ± by` times as fast.
 pub fn simulate_with_spread(trace: &Trace, method: Method, options: &SimOptions, by: f64) -> SimResult {
-    let mut result = simulate(trace, method, options);
+    simulate_with_spread_reporting(trace, method, options, by, &mut || {})
+}
+
+/// Replays `simulate_with_spread` runs for a spread of `by`.
+pub fn replays_with_spread(by: f64) -> u64 {
+    if by > 0.0 {
+        3
+    } else {
+        1
+    }
+}
+
+/// `simulate_with_spread`, calling `replayed` after each replay (for a
+/// progress bar: [`replays_with_spread`] of them).
+pub fn simulate_with_spread_reporting(
+    trace: &Trace,
+    method: Method,
+    options: &SimOptions,
+    by: f64,
+    replayed: &mut dyn FnMut(),
+) -> SimResult {
+    let mut at = |factor: f64| {
+        let result = simulate(trace, method, &options.guest_speed_times(factor));
+        replayed();
+        result
+    };
+    let mut result = at(1.0);
     if by <= 0.0 {
         return result;
     }
-    let at = |factor: f64| simulate(trace, method, &options.guest_speed_times(factor));
     let (slower, faster) = (at(1.0 - by), at(1.0 + by));
     let all = [&result, &slower, &faster];
     let range = |f: &dyn Fn(&SimResult) -> f64| {
