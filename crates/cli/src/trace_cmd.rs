@@ -8,9 +8,10 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
+use tsubame_trace::clock::{ClockBasis, GuestClock, MIN_WORK_SHARE};
 use tsubame_trace::plan::{fit, measure_dirty_curve, predict};
 use tsubame_trace::simulate::{
-    replays_with_spread, simulate_with_spread_reporting, GuestClock, Method, SimOptions, Spread, GUEST_SPEED_WANDER,
+    replays_with_spread, simulate_with_spread_reporting, Method, SimOptions, Spread, GUEST_SPEED_WANDER,
 };
 use tsubame_trace::Trace;
 
@@ -101,21 +102,32 @@ fn methods(text: &str) -> anyhow::Result<Vec<Method>> {
 }
 
 /// Says how the trace is replayed: on the guest's work clock (with what
-/// a fault costs) or, for traces without the guest's ops, on wall time.
+/// a fault costs) or on wall time, and why.
 fn print_clock(trace: &Trace) {
     let clock = GuestClock::of(trace);
-    if trace.has_guest_ops() {
-        println!(
+    match clock.basis {
+        ClockBasis::GuestWork => println!(
             "replayed by guest work: {:.2} s of undisturbed work in {:.2} s traced ({:.0} ops/s before tracing), \
              a write-protect fault costs the guest {:.1} us",
             clock.span,
             trace.duration_s(),
             trace.setup.native_ops_per_sec,
             clock.fault_s * 1e6
-        );
-    } else {
-        println!("replayed on wall time (the trace has no guest ops counter: recorded by an older tsubame)");
+        ),
+        ClockBasis::WallNoOps => {
+            println!("replayed on wall time (the trace has no guest ops counter: recorded by an older tsubame)")
+        }
+        ClockBasis::WallBarelyRan { work_s, traced_s } => println!("{}", barely_ran(work_s, traced_s)),
     }
+}
+
+/// The note for a trace whose guest clock is unusable.
+fn barely_ran(work_s: f64, traced_s: f64) -> String {
+    format!(
+        "replayed on wall time: the guest barely ran between faults ({work_s:.2} s of undisturbed work in \
+         {traced_s:.2} s traced, under {:.0} %), too little to replay by its work",
+        MIN_WORK_SHARE * 100.0
+    )
 }
 
 /// A bar on stderr that shows only once the work has taken `delay`: a
@@ -387,13 +399,18 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         }
         (None, None) => return Err(usage_error("give --trace FILE or --control PATH")),
     };
+    let basis = GuestClock::of(&trace).basis;
+    if let ClockBasis::WallBarelyRan { work_s, traced_s } = basis {
+        println!("{}", barely_ran(work_s, traced_s));
+    }
     let curve = measure_dirty_curve(&trace);
     let model = fit(&curve).ok_or_else(|| {
         anyhow::anyhow!("the trace is too short to fit D(t): record at least a second with several intervals")
     })?;
     println!(
-        "D(t) = M - M*(1/2)^(t(1-beta)/tau), t in seconds of guest work: M = {:.0} pages ({}), tau = {:.3} s, \
+        "D(t) = M - M*(1/2)^(t(1-beta)/tau), t in seconds of {}: M = {:.0} pages ({}), tau = {:.3} s, \
          R^2 = {:.4}, RMSE = {:.0} pages",
+        if basis == ClockBasis::GuestWork { "guest work" } else { "wall time" },
         model.m,
         format_bytes((model.m * 4096.0) as u64),
         model.tau,

@@ -12,7 +12,7 @@ use crate::format::Trace;
 use crate::replay::{run_guest, Dirty, ReplayState};
 use tsubame_codec::PAGE_SIZE;
 
-pub use crate::clock::GuestClock;
+pub use crate::clock::{ClockBasis, GuestClock};
 
 /// Bytes of a page record's header in tsubame's stream.
 pub const RECORD_HEADER: f64 = 13.0;
