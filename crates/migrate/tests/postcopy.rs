@@ -70,12 +70,16 @@ fn every_workload_continues_after_a_switch() {
         let options = MigrateOptions { postcopy: PostcopyMode::After(0), ..MigrateOptions::default() };
         migrate_postcopy(96 << 20, &format!("workload={workload} {wss}"), options);
     }
-    // After one iteration, on a link slow enough that these writers do not
-    // converge first.
+    // After one iteration, on a slow link and with a 1 ms downtime limit,
+    // so that these writers do not converge first: on a loaded host a
+    // writer slowed down converged within the default 300 ms (the switch
+    // never came); 1 ms at this link is 7 pages, fewer than any of them
+    // dirties in an iteration however slowly it runs.
     for workload in ["sparse", "zero-clear", "stream"] {
         let options = MigrateOptions {
             postcopy: PostcopyMode::After(1),
             max_bandwidth: Some(30_000_000),
+            downtime_limit: Duration::from_millis(1),
             ..MigrateOptions::default()
         };
         migrate_postcopy(96 << 20, &format!("workload={workload} wss=24M"), options);
