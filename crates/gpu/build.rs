@@ -5,8 +5,8 @@
 //! only for Rust and gcc. Without one the emulator is left out (cfg
 //! `gpu_emulator_missing`: `--gpu-backend emulator` is then a clear error
 //! and its tests say skipped), and the build script runs again on every
-//! build until `c++` appears, so installing g++ (scripts/setup.sh does)
-//! brings the emulator in without a clean build.
+//! build until a C++ compiler appears, so installing g++ (scripts/setup.sh
+//! does) brings the emulator in without a clean build.
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(gpu_emulator_missing)");
@@ -26,8 +26,9 @@ fn main() {
     if let Err(e) = built {
         println!("cargo:warning=the GPU kernel emulator is not built (no C++ compiler: {e}); install g++ to have it");
         println!("cargo:rustc-cfg=gpu_emulator_missing");
-        // A path that does not exist makes cargo run this script again
-        // on the next build.
-        println!("cargo:rerun-if-changed=/usr/bin/c++");
+        // A path that never exists makes cargo run this script again on
+        // every build until it compiles (/usr/bin/c++ would not do: it
+        // links to a compiler whose mtime is older than this build).
+        println!("cargo:rerun-if-changed=/nonexistent/tsubame-emulator-wants-a-c++-compiler");
     }
 }

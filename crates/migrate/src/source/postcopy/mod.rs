@@ -575,9 +575,10 @@ impl PushWindow {
             }
             // About as long as the link takes to carry the excess: one
             // wake-up per piece (a 100 µs step woke ~3 times per piece at
-            // 1 Gbit/s, with a look at the socket each time).
+            // 1 Gbit/s, with a look at the socket each time). Not clamp:
+            // under MIN_NAP before the deadline it panicked (min > max).
             let drain = Duration::from_secs_f64(over as f64 / bandwidth);
-            std::thread::sleep(drain.clamp(MIN_NAP, deadline - now));
+            std::thread::sleep(drain.max(MIN_NAP).min(deadline - now));
         }
     }
 
