@@ -162,9 +162,11 @@ impl State {
             let w = self.hand;
             let r = self.resident.words()[w];
             let mut candidates = r & !self.referenced.words()[w];
+            let mut took = 0;
             while candidates != 0 && (victims.len() as u64) < n {
                 let bit = candidates.trailing_zeros() as u64;
                 candidates &= candidates - 1;
+                took |= 1 << bit;
                 victims.push(w as u64 * 64 + bit);
             }
             if candidates == 0 {
@@ -172,6 +174,9 @@ impl State {
                 self.referenced.words_mut()[w] &= !r;
                 self.hand = (w + 1) % words;
             }
+            // Referenced until the caller drops them: a second lap took them
+            // again, and each take counted a page out of residency.
+            self.referenced.words_mut()[w] |= took;
         }
         victims
     }
@@ -583,5 +588,11 @@ mod tests {
         assert_eq!(next[..50], (150..200).collect::<Vec<_>>()[..]);
         // Then, their bits cleared by the pass, the referenced ones.
         assert!(next[50..].iter().all(|&p| p < 100), "{next:?}");
+        // A lap that comes back to its own victims (not dropped yet) skips them.
+        let mut lapped = State::new(&mem, 2048, 512);
+        (0..200).for_each(|p| lapped.mark_resident(p, p < 100));
+        let mut all = lapped.clock(250);
+        all.sort_unstable();
+        assert_eq!(all, (0..200).collect::<Vec<_>>());
     }
 }
