@@ -414,6 +414,20 @@ pub fn print_summary(stats: &MigrationStats) {
             if p.guest_ops_per_sec > 0.0 { format!("; guest {:.0} ops/s meanwhile", p.guest_ops_per_sec) } else { String::new() }
         );
     }
+    if let Some(f) = &stats.far_memory {
+        println!(
+            "  far memory:  {} of {} far pages left on the memory host; {} came back meanwhile ({} faults, {} read ahead, {} read); resident {} → {} pages (limit {})",
+            f.pages_left_far,
+            f.far_pages_at_start,
+            f.pages_came_back,
+            f.faults,
+            f.readahead_pages,
+            format_bytes(f.bytes_read),
+            f.resident_pages_at_start,
+            f.resident_pages_at_end,
+            format_bytes(f.local_limit_bytes),
+        );
+    }
     if let Some(w) = &stats.warm_cache {
         println!(
             "  warm cache:  {} blocks of the disk cache named ahead ({}), {} of them sent, {} written during the migration and dropped there",

@@ -237,6 +237,42 @@ pub struct MigrationStats {
     /// The disk's warm migration, when the VM has a disk with a cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warm_cache: Option<WarmCacheStats>,
+    /// What stayed on the memory host and what came back, when the VM has
+    /// far memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub far_memory: Option<FarMigrationStats>,
+}
+
+/// A far-memory VM's migration: only resident pages move, but eviction
+/// stops meanwhile, so pages the guest touches come back from the memory
+/// host and may have to go too. These say how many, so that what was sent
+/// can be checked against what could have been.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FarMigrationStats {
+    /// The limit on resident memory (suspended during the migration).
+    pub local_limit_bytes: u64,
+    /// Pages whose only copy was on the memory host when the migration
+    /// took the map.
+    pub far_pages_at_start: u64,
+    /// Of those, pages never sent: the destination reads them from the
+    /// memory host.
+    pub pages_left_far: u64,
+    /// Of those, pages that came back here during the migration (a fault
+    /// or read-ahead): the only ones of them that may have been sent.
+    pub pages_came_back: u64,
+    /// Resident pages when the migration started.
+    pub resident_pages_at_start: u64,
+    /// Resident pages when it ended: an iteration sends each page at most
+    /// once, and only resident ones.
+    pub resident_pages_at_end: u64,
+    /// Faults served here during the migration (from the memory host, or
+    /// zeros for pages never sent away).
+    pub faults: u64,
+    /// Pages read ahead of those faults.
+    pub readahead_pages: u64,
+    /// Bytes read from the memory host during the migration.
+    pub bytes_read: u64,
 }
 
 /// One thing the engine chose for a migration, and why.
@@ -359,3 +395,22 @@ impl ZeroCopyStats {
 }
 
 pub use tsubame_vmm::cpu_time::{process_cpu_seconds, thread_cpu_seconds, thread_cpu_time};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn far_memory_is_absent_without_it_and_round_trips_with_it() {
+        let plain = serde_json::to_value(MigrationStats::default()).unwrap();
+        assert!(plain.get("far_memory").is_none(), "a VM without far memory: no key");
+        let far =
+            FarMigrationStats { far_pages_at_start: 9, pages_left_far: 7, pages_came_back: 2, ..Default::default() };
+        let stats = MigrationStats { far_memory: Some(far.clone()), ..Default::default() };
+        let back: MigrationStats = serde_json::from_str(&serde_json::to_string(&stats).unwrap()).unwrap();
+        assert_eq!(back.far_memory, Some(far));
+        // Statistics written before the field read back without it.
+        let old: MigrationStats = serde_json::from_value(plain).unwrap();
+        assert!(old.far_memory.is_none());
+    }
+}

@@ -92,6 +92,25 @@ impl FarFilter {
         Ok(xxh3_128(scratch) == self.map.hashes[index as usize])
     }
 
+    /// Page `page` goes to the destination other than through the fetcher
+    /// (post-copy, a repair pass): if the map names it, it is not left far.
+    pub fn mark_sent(&self, page: u64) {
+        if self.map.far.get(page) {
+            self.sent.set_bit(page as usize);
+        }
+    }
+
+    /// The pages the map named when the migration started.
+    pub fn far_at_start(&self) -> u64 {
+        self.map.far.count()
+    }
+
+    /// Of those, the pages never sent: the destination reads them from the
+    /// memory host.
+    pub fn left_far(&self) -> u64 {
+        self.map.far.iter().filter(|&page| !self.sent.is_bit_set(page as usize)).count() as u64
+    }
+
     /// Takes out of post-copy's missing set the pages that are not the
     /// source's to send: those the destination reads from the memory host,
     /// and those never populated here (zeros: the destination's fresh

@@ -29,7 +29,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tsubame_farmem::FarMemory;
+use tsubame_farmem::{FarMemory, FarStats};
 use tsubame_vmm::{memory, DirtyBitmap, VcpuStatus, Vm, PAGE_SIZE};
 
 pub use error::{PipelineError, SourceError};
@@ -48,7 +48,7 @@ use crate::protocol::{
     self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError, HELLO_FAR_MEMORY,
     HELLO_POSTCOPY,
 };
-use crate::stats::{process_cpu_seconds, thread_cpu_seconds, MigrationStats, Status};
+use crate::stats::{process_cpu_seconds, thread_cpu_seconds, FarMigrationStats, MigrationStats, Status};
 use crate::transport::{Address, Metered, Pacer, Stream};
 
 /// Migrates `vm` to `to`. Always returns statistics; `status` says
@@ -110,6 +110,7 @@ fn migrate_with(
         far,
         far_map: None,
         far_filter: None,
+        far_start: None,
         held_nonzero: DirtyBitmap::new(memory::page_count(vm.memory())),
     };
     progress.update(|p| {
@@ -117,6 +118,10 @@ fn migrate_with(
         p.memory_bytes = vm.memory_bytes();
     });
     let result = run.run(to);
+    // Before a failure's take_back: eviction would make pages far again.
+    if let (Some(far), Some(filter), Some(start)) = (far, &run.far_filter, &run.far_start) {
+        run.stats.far_memory = Some(far_stats(far, filter, start));
+    }
     // Whatever happened, the guest runs at full speed from here (on
     // failure it goes on here; after commit this copy is done with).
     if run.policy.auto_converge.fraction > 0.0 {
@@ -172,6 +177,26 @@ fn migrate_with(
         }
     }
     stats
+}
+
+/// What became of the far pages: far memory's counters now against
+/// `start`, taken with the map, and what `filter` saw sent.
+fn far_stats(far: &FarMemory, filter: &FarFilter, start: &FarStats) -> FarMigrationStats {
+    let now = far.stats();
+    let at_start = filter.far_at_start();
+    FarMigrationStats {
+        local_limit_bytes: now.local_limit_bytes,
+        far_pages_at_start: at_start,
+        pages_left_far: filter.left_far(),
+        // Nothing is evicted meanwhile: a page of the map that is not far
+        // now came back.
+        pages_came_back: at_start.saturating_sub(now.far_pages),
+        resident_pages_at_start: start.resident_pages,
+        resident_pages_at_end: now.resident_pages,
+        faults: now.faults.saturating_sub(start.faults),
+        readahead_pages: now.readahead_pages.saturating_sub(start.readahead_pages),
+        bytes_read: now.bytes_read.saturating_sub(start.bytes_read),
+    }
 }
 
 /// "outer: inner: innermost", one line.
@@ -245,6 +270,8 @@ struct SourceRun<'a> {
     far_map: Option<(FarMemoryFrame, Arc<FarPageHashes>)>,
     /// What the fetcher skips of it.
     far_filter: Option<Arc<FarFilter>>,
+    /// Far memory's counters when the map was taken.
+    far_start: Option<FarStats>,
     /// Pages the destination may hold other than zeros (sent with data
     /// last): a zero page outside it needs no record at all.
     held_nonzero: DirtyBitmap,
@@ -274,6 +301,7 @@ impl SourceRun<'_> {
         // once the map is handed over.
         if let Some(far) = self.far {
             let map = far.hand_over().map_err(|e| SourceError::FarMemory(e.to_string()))?;
+            self.far_start = Some(far.stats());
             let frame = FarMemoryFrame { local_bytes: map.local_bytes, far_pages: map.far.count(), stores: map.stores };
             let pages = Arc::new(FarPageHashes { far: map.far, hashes: map.hashes });
             self.far_filter = Some(Arc::new(FarFilter::new(pages.clone())));

@@ -200,6 +200,9 @@ impl SourceRun<'_> {
                 let b = batch.as_mut().unwrap();
                 memory::read_page(vm.memory(), index, b.next_slot()).map_err(tsubame_vmm::VmError::from)?;
                 b.push(index, true);
+                if let Some(far) = &self.far_filter {
+                    far.mark_sent(index);
+                }
             }
         }
         if let Some(b) = batch {

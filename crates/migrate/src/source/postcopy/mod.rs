@@ -121,6 +121,9 @@ impl SourceRun<'_> {
         // The point of no return: the destination may run the VM now.
         self.enter(SourceState::Postcopy);
         missing.union_with(&start.missing);
+        if let Some(far) = &self.far_filter {
+            missing.iter().for_each(|page| far.mark_sent(page));
+        }
         let pages = missing.count();
         let started_ms = ms(self.start.elapsed());
         self.stats.postcopy =
