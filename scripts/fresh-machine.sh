@@ -47,12 +47,20 @@ command -v debootstrap >/dev/null || {
 }
 
 mounts=()
-cleanup() {
+# Every mount under the root, deepest first: ours, and those the tests make
+# inside it (`ip netns` mounts /run/netns there).
+unmount_all() {
     local m
     for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
-        m="${mounts[i]}"
+        umount -l "${mounts[i]}" 2>/dev/null || true
+    done
+    mounts=()
+    awk -v root="$dir/" 'index($2, root) == 1 { print $2 }' /proc/mounts | sort -r | while read -r m; do
         umount -l "$m" 2>/dev/null || true
     done
+}
+cleanup() {
+    unmount_all
     if ! $keep; then
         rm -rf --one-file-system "$dir"
     fi
@@ -66,6 +74,7 @@ mount_into() { # mount_into SOURCE TARGET [OPTIONS...]
     mounts+=("$target")
 }
 
+unmount_all
 rm -rf --one-file-system "$dir"
 mkdir -p "$dir"
 echo "fresh: debootstrap bookworm (minbase) into $dir"
