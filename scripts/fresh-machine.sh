@@ -89,6 +89,9 @@ deb http://deb.debian.org/debian bookworm-updates main
 deb http://deb.debian.org/debian-security bookworm-security main
 EOF
 cp /etc/resolv.conf "$dir/etc/resolv.conf"
+# The root a mount point of its own, as on a machine: `ip netns exec` (the
+# harness's links) remounts / as a slave, which a plain directory refuses.
+mount_into "$dir" "" --bind
 mount_into proc /proc -t proc
 mount_into sysfs /sys -t sysfs
 mount_into /dev /dev --rbind
