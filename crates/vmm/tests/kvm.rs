@@ -153,8 +153,6 @@ fn a_throttled_vcpu_runs_slower_and_recovers() {
     assert_eq!(vm.throttle(), 0.8);
     collect(&console, Duration::from_millis(100));
     let throttled = ops_rate(&console, Duration::from_millis(1500));
-    // 80 % asleep: about a fifth of the speed (generous for a shared host).
-    assert!(throttled < free * 0.5, "free {free:.0} ops/s, throttled {throttled:.0}");
     assert!(throttled > 0.0, "a throttled guest still runs");
     // A pause is not held up by a throttle sleep.
     let asked = Instant::now();
@@ -164,6 +162,12 @@ fn a_throttled_vcpu_runs_slower_and_recovers() {
     vm.set_throttle(0.0);
     collect(&console, Duration::from_millis(100));
     let again = ops_rate(&console, Duration::from_millis(1500));
+    // 80 % asleep: about a fifth of the speed. Against the faster of the
+    // free stretches before and after: on a loaded host one of them may
+    // itself run at half speed (a 0.504 ratio failed a fixed 0.5 to the
+    // one before).
+    let free = free.max(again);
+    assert!(throttled < free * 0.5, "free {free:.0} ops/s, throttled {throttled:.0}, then {again:.0}");
     assert!(again > throttled * 2.0, "throttled {throttled:.0} ops/s, then {again:.0}");
 }
 
@@ -224,11 +228,18 @@ fn dirty_log_sees_guest_writes_and_clears() {
 
     vm.dirty_log(&mut bitmap).unwrap();
     clear_all(&bitmap);
-    collect(&console, Duration::from_millis(200));
+    // Two progress lines: at least ~50 ms of the guest's own work, however
+    // slowly a loaded host runs it (200 ms of wall time once held none).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut lines = 0;
+    while lines < 2 {
+        let line = console.recv_deadline(deadline).expect("the guest prints progress");
+        lines += usize::from(ops_of(&line.text).is_some());
+    }
     vm.dirty_log(&mut bitmap).unwrap();
     let dirty = count(&bitmap);
     // sparse writes ~8 bytes at random over 8 MiB = 2048 pages: most get dirty.
-    assert!(dirty > 500, "only {dirty} dirty pages after 200 ms of sparse writes");
+    assert!(dirty > 500, "only {dirty} dirty pages after two progress lines of sparse writes");
 
     vm.pause().unwrap();
     vm.dirty_log(&mut bitmap).unwrap();
