@@ -315,9 +315,7 @@ impl SubpageTracker {
 
     /// Whether the table page holding guest page `index`'s entry was ever
     /// written (if not, it holds zeros: "the destination holds zeros").
-    /// Whether the tracker knows what the destination holds of `index`
-    /// (sent, or set); otherwise it takes it for zeros.
-    pub fn is_written(&self, index: u64) -> bool {
+    fn is_written(&self, index: u64) -> bool {
         let (word, bit) = self.written_bit(index);
         self.written[word] & bit != 0
     }

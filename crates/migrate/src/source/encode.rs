@@ -33,8 +33,6 @@ pub(super) const SUBPAGES_PAY: f64 = 1.0 / 16.0;
 /// One shard's encoder: codecs and caches, sub-page tables, lz4/zstd.
 pub struct ShardEncoder {
     shard: u16,
-    /// [`EncoderSetup::far_pages`].
-    far_pages: Option<Arc<crate::digest::FarPageHashes>>,
     layout: ShardLayout,
     granularity: usize,
     /// With `--codec none` even untouched pages go raw: a true baseline.
@@ -83,9 +81,6 @@ pub struct EncoderSetup<'a> {
     pub layout: ShardLayout,
     /// Current link bandwidth (f64 bits), set by the migration thread.
     pub bandwidth: Arc<AtomicU64>,
-    /// With far memory: the pages the destination holds as their far
-    /// copy, not as zeros (global indices).
-    pub far_pages: Option<Arc<crate::digest::FarPageHashes>>,
     /// `--gpu`: where the per-page codecs run.
     pub gpu: Option<GpuOffload>,
 }
@@ -123,7 +118,6 @@ impl ShardEncoder {
         };
         Ok(ShardEncoder {
             shard,
-            far_pages: setup.far_pages.clone(),
             layout: setup.layout,
             granularity: setup.granularity as usize,
             zero_records: codecs.zero,
@@ -180,21 +174,7 @@ impl ShardEncoder {
                 self.encoder.observe_raw(index, page);
                 self.builder.push(index, Encoding::Raw, page);
             } else {
-                // A far page that came back: the destination holds its far
-                // copy, which the sub-page tracker has never seen (it would
-                // diff against zeros), so it goes whole once.
-                let unseen = self.far_pages.as_ref().is_some_and(|f| f.far.get(index))
-                    && self.subpage.as_ref().is_some_and(|t| !t.is_written(local));
-                let change = if unseen {
-                    let tracker = self.subpage.as_mut().expect("checked above");
-                    if batch.populated[i] {
-                        tracker.set(local, page);
-                        Change::Full
-                    } else {
-                        tracker.set(local, &[0u8; PAGE_SIZE]);
-                        Change::Zero
-                    }
-                } else if !batch.populated[i] && self.zero_records {
+                let change = if !batch.populated[i] && self.zero_records {
                     match &mut self.subpage {
                         Some(tracker) => tracker.diff_zero(local),
                         None => Change::Zero,
