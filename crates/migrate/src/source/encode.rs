@@ -12,7 +12,7 @@ use tsubame_codec::batch::BatchCompressor;
 use tsubame_codec::chooser::Payoff;
 use tsubame_codec::{CodecList, Encoded, PageEncoder, StatsTable};
 use tsubame_gpu::{Cuda, CudaOptions, Emulator, EncodedBatch, GpuEncoder, GpuError};
-use tsubame_vmm::PAGE_SIZE;
+use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
 use super::fetch::Batch;
 use crate::options::GpuOffload;
@@ -39,6 +39,9 @@ pub struct ShardEncoder {
     zero_records: bool,
     encoder: PageEncoder,
     subpage: Option<SubpageTracker>,
+    /// With far memory and sub-pages: this shard's pages (local indices)
+    /// the destination holds as their far copy, until each is first sent.
+    far_unseen: Option<DirtyBitmap>,
     /// `--granularity auto`: where the current sample of re-sent pages
     /// began (pages, bytes); None when the granularity is fixed.
     sample_start: Option<(u64, u64)>,
@@ -83,6 +86,21 @@ pub struct EncoderSetup<'a> {
     pub bandwidth: Arc<AtomicU64>,
     /// `--gpu`: where the per-page codecs run.
     pub gpu: Option<GpuOffload>,
+    /// With far memory: the pages the destination holds as their far
+    /// copy, not as zeros (global indices).
+    pub far_pages: Option<&'a DirtyBitmap>,
+}
+
+/// The far pages of `shard` as local indices, where a sub-page tracker
+/// would otherwise take their baseline for zeros.
+fn far_unseen(shard: u16, setup: &EncoderSetup) -> Option<DirtyBitmap> {
+    let far = setup.far_pages.filter(|_| setup.granularity < PAGE_SIZE as u32)?;
+    let layout = setup.layout;
+    let mut mine = DirtyBitmap::new(layout.pages_per_shard(setup.pages_total));
+    for page in far.iter().filter(|&page| layout.shard(page) == shard) {
+        mine.set(layout.local_index(page));
+    }
+    Some(mine)
 }
 
 /// A GPU encoder of whole batches, whatever its backend.
@@ -121,6 +139,7 @@ impl ShardEncoder {
             layout: setup.layout,
             granularity: setup.granularity as usize,
             zero_records: codecs.zero,
+            far_unseen: far_unseen(shard, setup),
             subpage: (setup.granularity < PAGE_SIZE as u32).then(|| {
                 SubpageTracker::new(
                     setup.detector,
@@ -167,6 +186,11 @@ impl ShardEncoder {
         for (i, &index) in batch.indices.iter().enumerate() {
             let page = batch.page(i);
             let local = self.layout.local_index(index);
+            let unseen = self.far_unseen.as_mut().is_some_and(|far| {
+                let unseen = far.get(local);
+                far.unset(local);
+                unseen
+            });
             if batch.repair {
                 if let Some(tracker) = &mut self.subpage {
                     tracker.set(local, page);
@@ -174,7 +198,19 @@ impl ShardEncoder {
                 self.encoder.observe_raw(index, page);
                 self.builder.push(index, Encoding::Raw, page);
             } else {
-                let change = if !batch.populated[i] && self.zero_records {
+                let zero = !batch.populated[i] && self.zero_records;
+                let change = if let (true, Some(tracker)) = (unseen, &mut self.subpage) {
+                    // A far page that came back: the destination holds its
+                    // far copy, which the tracker never saw (it would diff
+                    // against zeros), so it goes whole once.
+                    if zero || tsubame_codec::zero::is_zero(page) {
+                        tracker.set(local, &[0u8; PAGE_SIZE]);
+                        Change::Zero
+                    } else {
+                        tracker.set(local, page);
+                        Change::Full
+                    }
+                } else if zero {
                     match &mut self.subpage {
                         Some(tracker) => tracker.diff_zero(local),
                         None => Change::Zero,
@@ -405,5 +441,72 @@ impl EncodeStage {
     /// Ends `iteration` for this shard.
     pub fn end(&mut self, iteration: u32) -> SendItem {
         SendItem::End { iteration, records: std::mem::take(&mut self.records) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::pages::for_each_record;
+
+    /// Encodes `batch` and returns each record's page and encoding.
+    fn records(encoder: &mut ShardEncoder, batch: &Batch) -> Vec<(u64, Encoding)> {
+        let mut out = Vec::new();
+        encoder.encode(batch, &mut out).unwrap();
+        let mut reader = &out[..];
+        let (mut frame, mut found) = (Vec::new(), Vec::new());
+        while !reader.is_empty() {
+            assert_eq!(protocol::read_frame(&mut reader, &mut frame).unwrap(), FrameKind::Pages);
+            for_each_record(&frame, 64, 128, |r| {
+                found.push((r.page_index, r.encoding));
+                Ok(())
+            })
+            .unwrap();
+        }
+        found
+    }
+
+    fn batch(pages: &[(u64, Option<&[u8; PAGE_SIZE]>)]) -> Batch {
+        let mut batch = Batch::with_capacity(pages.len());
+        batch.clear(1, 0, false);
+        for &(index, page) in pages {
+            if let Some(page) = page {
+                batch.next_slot().copy_from_slice(page);
+            }
+            batch.push(index, page.is_some());
+        }
+        batch
+    }
+
+    #[test]
+    fn a_far_page_that_came_back_goes_whole_once_then_as_sub_pages() {
+        let codecs: CodecList = "zero".parse().unwrap();
+        let mut far = DirtyBitmap::new(64);
+        far.set(3);
+        far.set(4);
+        let setup = EncoderSetup {
+            codecs: &codecs,
+            granularity: 128,
+            granularity_auto: false,
+            detector: Detector::Shadow,
+            hash_mask: u64::MAX,
+            pages_total: 64,
+            layout: ShardLayout { batch_pages: 64, shards: 1, channels: 1 },
+            bandwidth: Arc::new(AtomicU64::new(0)),
+            gpu: None,
+            far_pages: Some(&far),
+        };
+        let mut encoder = ShardEncoder::new(0, &setup).unwrap();
+        let mut written = [0u8; PAGE_SIZE];
+        written[10] = 7;
+        // The destination holds 3 and 4 as their far copies: cleared, 3
+        // needs a zero record; 4 with one byte written goes whole. Page 5
+        // is not far: the destination holds zeros there already.
+        let first = records(&mut encoder, &batch(&[(3, None), (4, Some(&written)), (5, None)]));
+        assert_eq!(first, [(3, Encoding::Zero), (4, Encoding::Raw)]);
+        // From then on the tracker knows what the destination holds.
+        written[200] = 9;
+        let again = records(&mut encoder, &batch(&[(3, None), (4, Some(&written))]));
+        assert_eq!(again, [(4, Encoding::Subpage)]);
     }
 }

@@ -334,6 +334,7 @@ impl SourceRun<'_> {
             layout,
             bandwidth: self.bandwidth.clone(),
             gpu: options.gpu,
+            far_pages: self.far_map.as_ref().map(|(_, pages)| &pages.far),
         };
         self.engine = Some(Engine::start(&self.engine_setup(), &encoder_setup, writers, pacer)?);
 
