@@ -24,7 +24,7 @@ use super::error::PipelineError;
 use super::fetch::Batch;
 use super::send::{SendStage, Writer};
 use super::threads::{EncodeLoop, LiveBusy, SendLoop, ToEncoder};
-use super::zerocopy::GuestPages;
+use super::zerocopy::{GuestPages, ZeroCopySender};
 use crate::protocol::ShardLayout;
 use crate::stats::{PipelineStats, StageStats, ZeroCopyStats};
 use crate::transport::Pacer;
@@ -55,8 +55,12 @@ pub struct Engine {
     guest: Option<GuestPages>,
     /// Whether the stages started in threads of their own.
     started_pipelined: bool,
-    /// The zero-copy counters of sender threads joined before the end.
-    zero_copy_before: ZeroCopyStats,
+    /// Each channel's zero-copy state. It belongs to the socket, not to a
+    /// send stage: the kernel numbers a socket's zero-copy sends from its
+    /// first, so a stage made later ([`Engine::run_in_turn`]) must go on
+    /// counting where the last one stopped, or it waits for completions
+    /// the kernel reported long ago.
+    zero_copy_senders: Vec<Arc<Mutex<ZeroCopySender>>>,
     buffers: usize,
     fetch: StageStats,
     fetch_samples: u64,
@@ -80,7 +84,7 @@ enum Mode {
         free_batches: Receiver<Batch>,
         done: Receiver<Result<u64, PipelineError>>,
         encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
-        senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
+        senders: Vec<std::thread::JoinHandle<StageStats>>,
     },
 }
 
@@ -108,13 +112,15 @@ fn encoded_bytes(pages: usize) -> usize {
 fn send_stage(
     layout: ShardLayout,
     writers: &[Arc<Mutex<Writer>>],
+    zero_copy: &[Arc<Mutex<ZeroCopySender>>],
     pacer: &Arc<Pacer>,
     guest: Option<GuestPages>,
     channel: u16,
     keep: usize,
 ) -> SendStage {
     let carried = layout.shards_of(channel).count();
-    SendStage::new(channel, carried, writers[channel as usize].clone(), pacer.clone(), guest, keep)
+    let (writer, zero_copy) = (writers[channel as usize].clone(), zero_copy[channel as usize].clone());
+    SendStage::new(channel, carried, writer, zero_copy, pacer.clone(), guest, keep)
 }
 
 impl Engine {
@@ -139,7 +145,10 @@ impl Engine {
             for_senders: Default::default(),
         });
         let out_capacity = encoded_bytes(batch_pages);
-        let sender = |channel: u16, keep: usize| send_stage(layout, &writers, &pacer, setup.guest, channel, keep);
+        let zero_copy_senders: Vec<_> = writers.iter().map(|_| Arc::default()).collect();
+        let sender = |channel: u16, keep: usize| {
+            send_stage(layout, &writers, &zero_copy_senders, &pacer, setup.guest, channel, keep)
+        };
         let (threads, mode) = if !setup.pipelined {
             let senders = (0..layout.channels).map(|c| sender(c, 0)).collect();
             let stats = (StageStats::named("encode"), StageStats::named("send"));
@@ -211,7 +220,7 @@ impl Engine {
             zero_copy: setup.guest.is_some(),
             guest: setup.guest,
             started_pipelined: setup.pipelined,
-            zero_copy_before: ZeroCopyStats::default(),
+            zero_copy_senders,
             buffers: setup.buffers,
             fetch: StageStats::named("fetch"),
             fetch_samples: 0,
@@ -421,13 +430,13 @@ impl Engine {
             unreachable!("matched above");
         };
         let joined = join_threads(to_encoders, encoders, senders);
-        self.zero_copy_before.add(&joined.zero_copy);
         self.threads = (1, 1);
         // A thread that died took its shard's encoder (and codec caches).
         let whole = joined.encoders.len() == layout.shards as usize;
         let encoders = if whole { joined.encoders.into_iter().map(EncodeStage::new).collect() } else { Vec::new() };
-        let senders =
-            (0..layout.channels).map(|c| send_stage(layout, &self.writers, &self.pacer, self.guest, c, 0)).collect();
+        let senders = (0..layout.channels)
+            .map(|c| send_stage(layout, &self.writers, &self.zero_copy_senders, &self.pacer, self.guest, c, 0))
+            .collect();
         // The stop's `pages` are read into a batch the fetch used before
         // and encoded into one buffer, whose memory is written here first,
         // while the guest runs: fresh, it faulted in the stop page by page
@@ -498,20 +507,20 @@ impl Engine {
     pub fn finish(self) -> (Vec<ShardEncoder>, PipelineStats, Vec<Writer>) {
         let mut fetch = self.fetch;
         fetch.cpu_seconds = 0.0; // the migration thread's CPU is reported on its own
-        let mut zero_copy = self.zero_copy_before;
         let (encoders, encode, send) = match self.mode {
             Mode::InTurn { encoders, senders, encode, send, .. } => {
-                for sender in senders {
-                    zero_copy.add(&sender.finish());
-                }
+                senders.into_iter().for_each(SendStage::finish);
                 (encoders.into_iter().map(|s| s.encoder).collect(), *encode, *send)
             }
             Mode::Threads { to_encoders, encoders, senders, .. } => {
                 let joined = join_threads(to_encoders, encoders, senders);
-                zero_copy.add(&joined.zero_copy);
                 (joined.encoders, joined.encode, joined.send)
             }
         };
+        let mut zero_copy = ZeroCopyStats::default();
+        for sender in &self.zero_copy_senders {
+            zero_copy.add(&sender.lock().unwrap().stats);
+        }
         let mode = if self.started_pipelined { "pipelined" } else { "sequential" };
         let stats = PipelineStats {
             mode: mode.into(),
@@ -537,21 +546,19 @@ struct Joined {
     encoders: Vec<ShardEncoder>,
     encode: StageStats,
     send: StageStats,
-    zero_copy: ZeroCopyStats,
 }
 
 /// Stops the stage threads (their queues close) and joins them.
 fn join_threads(
     to_encoders: Vec<Sender<ToEncoder>>,
     encoders: Vec<std::thread::JoinHandle<(ShardEncoder, StageStats)>>,
-    senders: Vec<std::thread::JoinHandle<(StageStats, ZeroCopyStats)>>,
+    senders: Vec<std::thread::JoinHandle<StageStats>>,
 ) -> Joined {
     drop(to_encoders);
     let mut joined = Joined {
         encoders: Vec::new(),
         encode: StageStats { threads: 0, ..StageStats::named("encode") },
         send: StageStats { threads: 0, ..StageStats::named("send") },
-        zero_copy: ZeroCopyStats::default(),
     };
     for handle in encoders {
         if let Ok((encoder, stats)) = handle.join() {
@@ -560,9 +567,8 @@ fn join_threads(
         }
     }
     for handle in senders {
-        if let Ok((stats, zero_copy)) = handle.join() {
+        if let Ok(stats) = handle.join() {
             joined.send.merge(&stats);
-            joined.zero_copy.add(&zero_copy);
         }
     }
     joined

@@ -10,7 +10,6 @@ use super::encode::SendItem;
 use super::error::PipelineError;
 use super::zerocopy::{GuestPages, ZeroCopySender};
 use crate::protocol::{self, FrameKind, IterationEnd};
-use crate::stats::ZeroCopyStats;
 use crate::transport::{Metered, Pacer, Stream};
 
 /// A channel's writer, shared by its send stage and (between iterations,
@@ -30,7 +29,9 @@ pub struct SendStage {
     pacer: Arc<Pacer>,
     /// `--zero-copy`: guest memory, where raw pages come from.
     guest: Option<GuestPages>,
-    zero_copy: ZeroCopySender,
+    /// The channel's zero-copy state, shared with the stages before and
+    /// after this one.
+    zero_copy: Arc<Mutex<ZeroCopySender>>,
     /// Zero-copy header buffers the kernel may hold while we go on: one
     /// when threads keep encoders busy meanwhile, none when run in turn.
     keep: usize,
@@ -45,21 +46,12 @@ impl SendStage {
         channel: u16,
         shards: usize,
         writer: Arc<Mutex<Writer>>,
+        zero_copy: Arc<Mutex<ZeroCopySender>>,
         pacer: Arc<Pacer>,
         guest: Option<GuestPages>,
         keep: usize,
     ) -> SendStage {
-        SendStage {
-            channel,
-            shards,
-            writer,
-            pacer,
-            guest,
-            zero_copy: ZeroCopySender::default(),
-            keep,
-            ends: 0,
-            records: 0,
-        }
+        SendStage { channel, shards, writer, pacer, guest, zero_copy, keep, ends: 0, records: 0 }
     }
 
     /// Sends one item. Returns the buffers it is done with (to reuse) and,
@@ -75,8 +67,8 @@ impl SendStage {
             SendItem::ZeroCopy(headers) => {
                 let guest = self.guest.as_ref().expect("zero-copy batches come with guest memory");
                 let mut writer = self.writer.lock().unwrap();
-                let released =
-                    send_by_reference(&mut writer, &mut self.zero_copy, headers, guest, &self.pacer, self.keep);
+                let mut sender = self.zero_copy.lock().unwrap();
+                let released = send_by_reference(&mut writer, &mut sender, headers, guest, &self.pacer, self.keep);
                 Ok((released.map_err(write)?, None))
             }
             SendItem::End { iteration, records } => {
@@ -96,14 +88,14 @@ impl SendStage {
     }
 
     /// Waits (briefly) for the kernel to finish the channel's zero-copy
-    /// sends; returns their counters.
-    pub fn finish(mut self) -> ZeroCopyStats {
-        if self.zero_copy.stats.sends > 0 {
+    /// sends.
+    pub fn finish(self) {
+        let mut sender = self.zero_copy.lock().unwrap();
+        if sender.stats.sends > 0 {
             if let Some(fd) = tcp_fd(&self.writer.lock().unwrap()) {
-                let _ = self.zero_copy.settle(fd, 0, Duration::from_secs(2));
+                let _ = sender.settle(fd, 0, Duration::from_secs(2));
             }
         }
-        self.zero_copy.stats
     }
 }
 

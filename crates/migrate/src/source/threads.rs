@@ -11,7 +11,7 @@ use super::encode::{EncodeStage, SendItem, ShardEncoder};
 use super::error::PipelineError;
 use super::fetch::Batch;
 use super::send::SendStage;
-use crate::stats::{thread_cpu_seconds, StageStats, ZeroCopyStats};
+use crate::stats::{thread_cpu_seconds, StageStats};
 
 /// Busy nanoseconds per stage, updated as the stages work: what the
 /// progress bar shows while the final statistics are still in the threads.
@@ -106,7 +106,7 @@ pub(super) struct SendLoop {
 }
 
 impl SendLoop {
-    pub(super) fn run(mut self, live: &LiveBusy) -> (StageStats, ZeroCopyStats) {
+    pub(super) fn run(mut self, live: &LiveBusy) -> StageStats {
         let cpu = thread_cpu_seconds();
         let mut stats = StageStats::named("send");
         loop {
@@ -133,8 +133,8 @@ impl SendLoop {
                 }
             }
         }
-        let zero_copy = self.stage.finish();
+        self.stage.finish();
         stats.cpu_seconds = thread_cpu_seconds() - cpu;
-        (stats, zero_copy)
+        stats
     }
 }
