@@ -11,21 +11,38 @@ use serde_json::{json, Value};
 use super::hub::{Hub, Session};
 use super::{qmp, MAX_REQUEST};
 
-/// A request line, or what is left of one over the limit.
+/// A request, or what is left of one over the limit.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Line {
-    /// Up to [`MAX_REQUEST`] bytes, without the newline.
+    /// Up to [`MAX_REQUEST`] bytes: a JSON value, or a line that is none.
     Text(Vec<u8>),
-    /// A longer line, skipped up to its newline: its length.
+    /// A longer request, skipped to its end: its length.
     TooLong(usize),
 }
 
-/// Reads the next line of at most `max` bytes; a longer one is read to
-/// its end and dropped, so the next line starts where it should. `None`
-/// at the end of the stream.
+/// Where the reader is in a request.
+enum Shape {
+    /// Between requests: whitespace is skipped.
+    Between,
+    /// In an object or array: it ends where its brackets balance (QMP
+    /// clients send values back to back, without newlines, as QEMU
+    /// accepts), or at a newline where it can no longer be JSON.
+    Value { depth: usize, in_string: bool, escape: bool },
+    /// Anything else ends at the newline.
+    Line,
+}
+
+/// Reads the next request of at most `max` bytes: a JSON object or
+/// array (one per line in tsubame's form; back to back in QMP's), or a
+/// line of something else (an error for the caller to report). A longer
+/// one is read to its end (its brackets' balance or the newline, whichever
+/// comes first) and dropped, so the next request starts where it should.
+/// `None` at the end of the stream.
 pub fn read_line(reader: &mut impl BufRead, max: usize) -> std::io::Result<Option<Line>> {
     let mut text = Vec::new();
     let mut length = 0usize;
+    let mut shape = Shape::Between;
+    let finish = |text: Vec<u8>, length: usize| if length > max { Line::TooLong(length) } else { Line::Text(text) };
     loop {
         let available = match reader.fill_buf() {
             Ok(available) => available,
@@ -33,26 +50,69 @@ pub fn read_line(reader: &mut impl BufRead, max: usize) -> std::io::Result<Optio
             Err(e) => return Err(e),
         };
         if available.is_empty() {
-            return Ok(match length {
-                0 => None,
-                _ if length > max => Some(Line::TooLong(length)),
-                _ => Some(Line::Text(text)),
-            });
+            return Ok((length > 0).then(|| finish(text, length)));
         }
-        let (chunk, newline) = match available.iter().position(|&b| b == b'\n') {
-            Some(i) => (&available[..i], true),
-            None => (available, false),
-        };
-        length += chunk.len();
-        if length <= max {
-            text.extend_from_slice(chunk);
-        } else if !text.is_empty() {
-            text = Vec::new();
+        let mut used = 0;
+        let mut done = false;
+        for &byte in available {
+            used += 1;
+            match &mut shape {
+                Shape::Between if byte.is_ascii_whitespace() => continue,
+                Shape::Between => {
+                    shape = if matches!(byte, b'{' | b'[') {
+                        Shape::Value { depth: 0, in_string: false, escape: false }
+                    } else {
+                        Shape::Line
+                    }
+                }
+                _ => {}
+            }
+            if byte != b'\n' || !matches!(shape, Shape::Line) {
+                length += 1;
+                if length <= max {
+                    text.push(byte);
+                } else if !text.is_empty() {
+                    text = Vec::new();
+                }
+            }
+            done = match &mut shape {
+                Shape::Line => byte == b'\n',
+                Shape::Value { escape, in_string: true, .. } if *escape => {
+                    *escape = false;
+                    false
+                }
+                Shape::Value { escape, in_string: true, .. } if byte == b'\\' => {
+                    *escape = true;
+                    false
+                }
+                Shape::Value { in_string, .. } if byte == b'"' => {
+                    *in_string = !*in_string;
+                    false
+                }
+                Shape::Value { depth, in_string: false, .. } if matches!(byte, b'{' | b'[') => {
+                    *depth += 1;
+                    false
+                }
+                Shape::Value { depth, in_string: false, .. } if matches!(byte, b'}' | b']') => {
+                    *depth -= 1;
+                    *depth == 0
+                }
+                // A newline inside a value: go on while what came is the
+                // start of some JSON (a value over several lines).
+                Shape::Value { .. } if byte == b'\n' => {
+                    length > max
+                        || serde_json::from_slice::<serde::de::IgnoredAny>(&text)
+                            .is_err_and(|e| e.classify() != serde_json::error::Category::Eof)
+                }
+                _ => false,
+            };
+            if done {
+                break;
+            }
         }
-        let used = chunk.len() + usize::from(newline);
         reader.consume(used);
-        if newline {
-            return Ok(Some(if length > max { Line::TooLong(length) } else { Line::Text(text) }));
+        if done {
+            return Ok(Some(finish(text, length)));
         }
     }
 }

@@ -189,13 +189,25 @@ fn qmp_negotiates_first_and_maps_qemu_names() {
 }
 
 #[test]
-fn lines_over_the_limit_are_skipped_whole() {
-    let text = format!("{}\nshort\n{}", "a".repeat(20), "b".repeat(7));
+fn requests_end_where_their_json_or_their_line_ends() {
+    let text = format!(
+        "{{\"a\":\"{}\"}}\nshort\n{{\"x\":1}}{{\"y\":\"}}\\\"\"}} \r\n{{\"z\":\n[2]}}\n{{not json\n{{\"w\":3}}\n[\"{}\n{}",
+        "a".repeat(20),
+        "b".repeat(20),
+        "c".repeat(7)
+    );
     let mut reader = BufReader::with_capacity(4, Cursor::new(text));
-    assert_eq!(read_line(&mut reader, 10).unwrap(), Some(Line::TooLong(20)));
-    assert_eq!(read_line(&mut reader, 10).unwrap(), Some(Line::Text(b"short".to_vec())));
-    assert_eq!(read_line(&mut reader, 10).unwrap(), Some(Line::Text(b"bbbbbbb".to_vec())));
-    assert_eq!(read_line(&mut reader, 10).unwrap(), None);
+    let mut next = || read_line(&mut reader, 12).unwrap();
+    assert_eq!(next(), Some(Line::TooLong(28)));
+    assert_eq!(next(), Some(Line::Text(b"short".to_vec())));
+    assert_eq!(next(), Some(Line::Text(br#"{"x":1}"#.to_vec())), "back to back, no newline");
+    assert_eq!(next(), Some(Line::Text(br#"{"y":"}\""}"#.to_vec())), "brackets in strings");
+    assert_eq!(next(), Some(Line::Text(b"{\"z\":\n[2]}".to_vec())), "over two lines");
+    assert_eq!(next(), Some(Line::Text(b"{not json\n".to_vec())), "bad JSON ends at its newline");
+    assert_eq!(next(), Some(Line::Text(br#"{"w":3}"#.to_vec())));
+    assert_eq!(next(), Some(Line::TooLong(23)), "too long, unbalanced: up to the newline");
+    assert_eq!(next(), Some(Line::Text(b"ccccccc".to_vec())));
+    assert_eq!(next(), None);
 }
 
 #[test]
