@@ -30,12 +30,17 @@ needs=(
     "socat|command -v socat|socat"
     "python3|command -v python3|python3"
     "python-modules|python3 -c 'import matplotlib, pytest' 2>/dev/null|python:python3-matplotlib python3-pytest"
+    "qemu.qmp|python3 -c 'import qemu.qmp' 2>/dev/null|pip:qemu.qmp==0.0.6"
     "fonts|test -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf|fonts-dejavu-core"
     "nvrtc|python3 -c 'import nvidia.cuda_nvrtc' 2>/dev/null|optional-pip:nvidia-cuda-nvrtc-cu12"
 )
 # optional-pip: NVRTC alone (no GPU, no driver) compiles every CUDA kernel
 # to PTX, so the GPU crate's compile test runs instead of skipping. Only
 # where pip may install (not Debian's own python3); a failure is a note.
+# pip: QEMU's QMP client library (bench/test_qmp.py drives the control
+# socket with it) has no Debian package: pip installs it, into Debian's
+# own python3 too (with python3-pip, --break-system-packages: it is pure
+# Python without dependencies).
 
 qemu_is_10() {
     local v
@@ -59,6 +64,7 @@ apt_main=()
 apt_backports=()
 python_modules=false
 optional_pip=()
+pip_only=()
 debian_python=false
 if [ "$(command -v python3 || echo /usr/bin/python3)" = /usr/bin/python3 ]; then
     debian_python=true
@@ -79,6 +85,7 @@ for need in "${needs[@]}"; do
     case "$packages" in
         backports:*) apt_backports+=(${packages#backports:}) ;;
         python:*) python_modules=true ;;
+        pip:*) pip_only+=(${packages#pip:}) ;;
         *) apt_main+=($packages) ;;
     esac
 done
@@ -104,6 +111,11 @@ if $python_modules; then
     else
         python_pip=true
     fi
+fi
+pip_flags=()
+if ((${#pip_only[@]})) && $debian_python; then
+    python3 -m pip --version >/dev/null 2>&1 || apt_main+=(python3-pip)
+    pip_flags=(--break-system-packages)
 fi
 
 if ((${#apt_main[@]} + ${#apt_backports[@]})); then
@@ -138,6 +150,15 @@ fi
 if $python_pip; then
     echo "setup: python3 -m pip install -r bench/requirements.txt"
     python3 -m pip install -q -r "$root/bench/requirements.txt"
+fi
+
+if ((${#pip_only[@]})); then
+    if $debian_python && [ "$(id -u)" != 0 ]; then
+        echo "setup: installing ${pip_only[*]} into Debian's python3 needs root; run:  sudo $root/scripts/setup.sh $*" >&2
+        exit 1
+    fi
+    echo "setup: python3 -m pip install ${pip_flags[*]} ${pip_only[*]}"
+    python3 -m pip install -q "${pip_flags[@]}" "${pip_only[@]}"
 fi
 
 if ((${#optional_pip[@]})); then

@@ -1,4 +1,5 @@
-"""tsubame's control socket: JSON lines, one request and one reply."""
+"""tsubame's control socket in its own form: JSON lines, one request and one reply
+(the server's first line, QMP's greeting, is skipped)."""
 import json
 import socket
 
@@ -9,4 +10,8 @@ def control_request(path, request, timeout_s=5):
         s.settimeout(timeout_s)
         s.connect(path)
         s.sendall(json.dumps(request).encode() + b"\n")
-        return json.loads(s.makefile("rb").readline())
+        reader = s.makefile("rb")
+        while True:
+            line = reader.readline()
+            if not line.startswith(b'{"QMP"'):
+                return json.loads(line)

@@ -39,6 +39,7 @@ enum Command {
     /// Wait for an incoming VM and run it.
     Receive(receive::ReceiveArgs),
     /// Live-migrate the VM behind a control socket to a destination.
+    #[command(after_help = migrate_cmd::EXIT_STATUS)]
     Migrate(migrate_cmd::MigrateArgs),
     /// The whole job in one command: boot a VM with a workload, migrate it
     /// live to a second tsubame process over loopback, show the result.
@@ -79,6 +80,24 @@ impl std::error::Error for UsageError {}
 /// Wraps a message as a usage error.
 pub fn usage_error(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
+}
+
+/// The outcome of what was asked is not known (the other process went
+/// away before it said): exit code 3.
+#[derive(Debug)]
+pub struct OutcomeUnknown(String);
+
+impl std::fmt::Display for OutcomeUnknown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for OutcomeUnknown {}
+
+/// Wraps a message as an unknown outcome.
+pub fn outcome_unknown(message: impl Into<String>) -> anyhow::Error {
+    OutcomeUnknown(message.into()).into()
 }
 
 /// VM errors that come from the user's input or host setup are usage errors.
@@ -131,6 +150,8 @@ fn main() -> ExitCode {
             eprintln!("tsubame: error: {e:#}");
             if e.is::<UsageError>() {
                 ExitCode::from(2)
+            } else if e.is::<OutcomeUnknown>() {
+                ExitCode::from(3)
             } else {
                 ExitCode::from(1)
             }

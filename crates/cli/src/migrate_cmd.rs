@@ -14,10 +14,17 @@ use tsubame_migrate::transport::Security;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions, MigrationStats, Progress};
 use tsubame_vmm::PAGE_SIZE;
 
-use crate::control::ControlClient;
+use crate::control::{ControlClient, SocketClosed};
 use crate::request::{canonical, MigrateRequest, SecurityFiles};
 use crate::units::{format_bytes, parse_rate};
-use crate::usage_error;
+use crate::{outcome_unknown, usage_error};
+
+/// `tsubame migrate --help`'s last paragraph.
+pub const EXIT_STATUS: &str = "Exit status: 0 when the VM runs at the destination (the statistics \
+were received); 1 when the migration failed (before the switch the VM runs here again; after a \
+switch to post-copy it is lost) or could not start; 2 on a usage error; 3 when the outcome is \
+unknown: the VM's process closed the control socket (or went silent) before saying how the \
+migration ended — ask the destination (`stats` on its control socket) whether the VM runs there.";
 
 /// How to migrate (shared by `migrate` and `demo`).
 #[derive(Args, Debug, Clone)]
@@ -465,7 +472,7 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         if let Some(to) = &to {
             request["to"] = Value::String(to.to_string());
         }
-        client.request(&request)?;
+        client.request(&request).map_err(|e| unknown_if_closed(e, "migrate-resume", None))?;
         eprintln!("post-copy link resumed; following the migration");
         return follow(&mut client, &args.flags.json);
     }
@@ -478,18 +485,48 @@ pub fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         tls_key: canonical(args.flags.tls.tls_key.as_deref())?,
         tls_ca: canonical(args.flags.tls.tls_ca.as_deref())?,
     };
-    client.request(&serde_json::to_value(MigrateRequest::new(&to, &options, &files))?)?;
+    client
+        .request(&serde_json::to_value(MigrateRequest::new(&to, &options, &files))?)
+        .map_err(|e| unknown_if_closed(e, "migrate", None))?;
     follow(&mut client, &args.flags.json)
+}
+
+/// A request whose connection ended before the reply: the migration may
+/// have gone either way (exit 3); other errors stay what they are.
+fn unknown_if_closed(e: anyhow::Error, asked: &str, last: Option<&Progress>) -> anyhow::Error {
+    let Some(closed) = e.downcast_ref::<SocketClosed>() else { return e };
+    let seen = match last {
+        Some(p) => format!(
+            "; last seen: {} in iteration {}",
+            serde_json::to_value(p.phase).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            p.iteration
+        ),
+        None => String::new(),
+    };
+    outcome_unknown(format!(
+        "outcome unknown: {closed} to '{asked}'{seen} — the VM may run at the destination or here; ask the destination"
+    ))
 }
 
 /// Shows the running migration's progress until it ends, then its summary.
 fn follow(client: &mut ControlClient, json: &Option<PathBuf>) -> anyhow::Result<()> {
     let bar = progress_bar();
+    let mut last: Option<Progress> = None;
     let stats: MigrationStats = loop {
         std::thread::sleep(Duration::from_millis(100));
-        let reply = client.request(&serde_json::json!({"cmd": "query-migrate"}))?;
+        let reply = match client.request(&serde_json::json!({"cmd": "query-migrate"})) {
+            Ok(reply) => reply,
+            Err(e) => {
+                bar.finish_and_clear();
+                return Err(unknown_if_closed(e, "query-migrate", last.as_ref()));
+            }
+        };
         match reply.get("status").and_then(Value::as_str) {
-            Some("active") => bar.set_message(progress_message(&serde_json::from_value(reply["progress"].clone())?)),
+            Some("active") => {
+                let progress: Progress = serde_json::from_value(reply["progress"].clone())?;
+                bar.set_message(progress_message(&progress));
+                last = Some(progress);
+            }
             Some("completed") | Some("failed") => break serde_json::from_value(reply["stats"].clone())?,
             other => anyhow::bail!("unexpected query-migrate status {other:?}"),
         }

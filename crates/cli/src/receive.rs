@@ -12,7 +12,7 @@ use tsubame_migrate::transport::Listener;
 use tsubame_migrate::Address;
 
 use crate::console::{ConsoleFollower, Echo};
-use crate::control::{ControlHandler, ControlServer};
+use crate::control::{ControlHandler, ControlServer, VmState};
 use crate::running_vm::{RunningVm, VmEnd};
 use crate::units::parse_size;
 use crate::usage_error;
@@ -23,7 +23,8 @@ pub struct ReceiveArgs {
     /// Where to listen: tcp:HOST:PORT or unix:PATH.
     #[arg(long)]
     pub listen: String,
-    /// Serve the JSON-lines control socket at this path.
+    /// Serve the control socket (JSON lines: tsubame's `{"cmd":...}` form
+    /// or QMP) at this path.
     #[arg(long)]
     pub control: Option<PathBuf>,
     /// Exit after one incoming migration, failed or not (default: a failed
@@ -74,12 +75,17 @@ impl ControlHandler for ReceiveControl {
         }
         match cmd {
             "stats" => Ok(json!({"status": "waiting", "phase": self.phase.lock().unwrap().clone()})),
+            "query-status" => Ok(json!({"running": false, "status": "inmigrate"})),
             "quit" => {
                 self.quit.store(true, Ordering::Release);
                 Ok(json!({}))
             }
-            other => Err(format!("no VM here yet; '{other}' needs one (known now: stats, quit)")),
+            other => Err(format!("no VM here yet; '{other}' needs one (known now: stats, query-status, quit)")),
         }
+    }
+
+    fn state(&self) -> Option<VmState> {
+        self.host.lock().unwrap().as_ref().and_then(|host| host.state())
     }
 }
 
@@ -111,7 +117,7 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         quit: AtomicBool::new(false),
         phase: Mutex::new("listening".into()),
     });
-    let _server = match &args.control {
+    let server = match &args.control {
         Some(path) => Some(ControlServer::start(path, control.clone() as Arc<dyn ControlHandler>)?),
         None => None,
     };
@@ -155,7 +161,11 @@ pub fn receive(args: ReceiveArgs) -> anyhow::Result<()> {
         (None, Some(far)) => start_far_memory(&host, far)?,
         (None, None) => {}
     }
-    let end = host.wait(None)?;
+    let end = host.wait(None);
+    if let Some(server) = &server {
+        server.drain(host.migrated_away());
+    }
+    let end = end?;
     let progress = host.console.snapshot();
     eprintln!(
         "tsubame: {} — guest at ops={} ({:.0} ops/s here)",

@@ -22,7 +22,8 @@ pub struct RunArgs {
     /// Stop after this many seconds (default: run until `quit` or Ctrl-C).
     #[arg(long)]
     pub seconds: Option<f64>,
-    /// Serve the JSON-lines control socket at this path.
+    /// Serve the control socket (JSON lines: tsubame's `{"cmd":...}` form
+    /// or QMP) at this path.
     #[arg(long)]
     pub control: Option<PathBuf>,
     /// Prefix each guest line with the host time it arrived (ms since boot).
@@ -151,11 +152,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         host.set_far(far.start(vm).map_err(far_error)?);
         watch_far_memory(&host);
     }
-    let _server = match &args.control {
+    let server = match &args.control {
         Some(path) => Some(ControlServer::start(path, host.clone() as Arc<dyn ControlHandler>)?),
         None => None,
     };
-    let end = host.wait(args.seconds.map(Duration::from_secs_f64))?;
+    let end = host.wait(args.seconds.map(Duration::from_secs_f64));
+    if let Some(server) = &server {
+        // The last replies and events go out before the process ends.
+        server.drain(host.migrated_away());
+    }
+    let end = end?;
     let progress = host.console.snapshot();
     let elapsed = host.started.elapsed().as_secs_f64();
     let how = match &end {

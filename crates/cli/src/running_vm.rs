@@ -2,7 +2,7 @@
 //! answers, and the wait for it to end (time limit, `quit`, the guest
 //! stopping, or the VM migrating away).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use tsubame_migrate::{source, Address, MigrateOptions, MigrationStats, ProgressC
 use tsubame_vmm::{VcpuStatus, Vm};
 
 use crate::console::{ConsoleFollower, GuestProgress};
-use crate::control::ControlHandler;
+use crate::control::{qmp, ControlHandler, VmState};
 use crate::request::MigrateRequest;
 
 /// Why the host stopped waiting.
@@ -32,13 +32,9 @@ pub enum VmEnd {
 /// The source side's migration, as `query-migrate` reports it.
 enum Migration {
     None,
-    Active(Arc<ProgressCell>),
-    Finished { stats: Box<MigrationStats>, at: Instant, delivered: bool },
+    Active { progress: Arc<ProgressCell>, started: Instant },
+    Finished(Box<MigrationStats>),
 }
-
-/// After a completed migration the source lingers this long at most for a
-/// client to collect the statistics.
-const LINGER: Duration = Duration::from_secs(5);
 
 /// The VM and what watches it.
 pub struct RunningVm {
@@ -50,6 +46,8 @@ pub struct RunningVm {
     pub started: Instant,
     quit: AtomicBool,
     migration: Mutex<Migration>,
+    /// How many migrations were started (the events tell them apart).
+    migrations: AtomicU64,
     tracing: AtomicBool,
     /// Post-copy: the VM runs here while its memory still arrives.
     arriving: AtomicBool,
@@ -69,6 +67,7 @@ impl RunningVm {
             started: Instant::now(),
             quit: AtomicBool::new(false),
             migration: Mutex::new(Migration::None),
+            migrations: AtomicU64::new(0),
             tracing: AtomicBool::new(false),
             arriving: AtomicBool::new(false),
             description,
@@ -98,17 +97,19 @@ impl RunningVm {
         self.quit.store(true, Ordering::Release);
     }
 
-    /// Waits until the time limit, a quit request, or the guest stopping.
+    /// Waits until the time limit, a quit request, the guest stopping, or
+    /// the VM migrating away (the caller then lets the control socket
+    /// drain: `ControlServer::drain`).
     pub fn wait(&self, limit: Option<Duration>) -> anyhow::Result<VmEnd> {
         loop {
             if self.quit.load(Ordering::Acquire) {
                 return Ok(VmEnd::Quit);
             }
-            if let Migration::Finished { stats, at, delivered } = &*self.migration.lock().unwrap() {
-                if stats.status == Status::Completed && (*delivered || at.elapsed() > LINGER) {
+            if let Migration::Finished(stats) = &*self.migration.lock().unwrap() {
+                if stats.status == Status::Completed {
                     return Ok(VmEnd::Migrated(stats.clone()));
                 }
-                if stats.status == Status::Failed && stats.postcopy.is_some() && (*delivered || at.elapsed() > LINGER) {
+                if stats.status == Status::Failed && stats.postcopy.is_some() {
                     // Past the switch: the VM never runs here again.
                     anyhow::bail!("{}", stats.error.as_deref().unwrap_or("post-copy failed: the VM is lost"));
                 }
@@ -145,9 +146,16 @@ impl RunningVm {
     fn migrating(&self) -> bool {
         match &*self.migration.lock().unwrap() {
             Migration::None => false,
-            Migration::Active(_) => true,
-            Migration::Finished { stats, .. } => stats.status == Status::Completed || stats.postcopy.is_some(),
+            Migration::Active { .. } => true,
+            Migration::Finished(stats) => stats.status == Status::Completed || stats.postcopy.is_some(),
         }
+    }
+
+    /// The VM left: a migration completed, or failed past the switch to
+    /// post-copy.
+    pub fn migrated_away(&self) -> bool {
+        matches!(&*self.migration.lock().unwrap(),
+            Migration::Finished(stats) if stats.status == Status::Completed || stats.postcopy.is_some())
     }
 
     /// Starts migrating the VM to `to` on a thread of its own.
@@ -162,13 +170,14 @@ impl RunningVm {
         {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
-                Migration::Active(_) => return Err("a migration is already running".into()),
-                Migration::Finished { stats, .. } if stats.status == Status::Completed || stats.postcopy.is_some() => {
+                Migration::Active { .. } => return Err("a migration is already running".into()),
+                Migration::Finished(stats) if stats.status == Status::Completed || stats.postcopy.is_some() => {
                     return Err("the VM has already been migrated away".into())
                 }
                 _ => {}
             }
-            *slot = Migration::Active(progress.clone());
+            *slot = Migration::Active { progress: progress.clone(), started: Instant::now() };
+            self.migrations.fetch_add(1, Ordering::AcqRel);
         }
         let host = self.clone();
         std::thread::Builder::new()
@@ -178,8 +187,7 @@ impl RunningVm {
                     Some(far) => source::migrate_far(&host.vm, far, &to, &options, &progress),
                     None => source::migrate(&*host.vm, &to, &options, &progress),
                 };
-                *host.migration.lock().unwrap() =
-                    Migration::Finished { stats: Box::new(stats), at: Instant::now(), delivered: false };
+                *host.migration.lock().unwrap() = Migration::Finished(Box::new(stats));
             })
             .map_err(|e| format!("cannot start the migration thread: {e}"))?;
         Ok(())
@@ -193,7 +201,7 @@ impl RunningVm {
             None => None,
         };
         let progress = match &*self.migration.lock().unwrap() {
-            Migration::Active(progress) => progress.clone(),
+            Migration::Active { progress, .. } => progress.clone(),
             _ => return Err("no paused post-copy migration to resume".into()),
         };
         let answer = progress.request_resume(to)?;
@@ -204,16 +212,36 @@ impl RunningVm {
         }
     }
 
-    /// The `query-migrate` reply; marks final statistics as delivered.
+    /// The `query-migrate` reply.
     pub fn query_migrate(&self) -> Value {
-        match &mut *self.migration.lock().unwrap() {
+        match &*self.migration.lock().unwrap() {
             Migration::None => json!({"status": "none"}),
-            Migration::Active(progress) => json!({"status": "active", "progress": progress.get()}),
-            Migration::Finished { stats, delivered, .. } => {
-                *delivered = true;
-                json!({"status": stats.status, "stats": stats})
-            }
+            Migration::Active { progress, started } => json!({
+                "status": "active",
+                "progress": progress.get(),
+                "total_time_ms": started.elapsed().as_secs_f64() * 1e3,
+            }),
+            Migration::Finished(stats) => json!({"status": stats.status, "stats": stats}),
         }
+    }
+
+    /// The `query-status` reply, QEMU's: whether the vCPU runs, and a
+    /// run state name (`running`, `paused`, `finish-migrate` while a
+    /// migration holds it paused, `postmigrate` once it left, ...).
+    pub fn query_status(&self) -> Value {
+        let status = self.vm.status();
+        let name = match &status {
+            VcpuStatus::Created => "prelaunch",
+            VcpuStatus::Running => "running",
+            VcpuStatus::Paused | VcpuStatus::Halted if self.migrating() => match &*self.migration.lock().unwrap() {
+                Migration::Active { .. } => "finish-migrate",
+                _ => "postmigrate",
+            },
+            VcpuStatus::Paused => "paused",
+            VcpuStatus::Halted | VcpuStatus::Stopped => "shutdown",
+            VcpuStatus::Failed(_) => "internal-error",
+        };
+        json!({"running": matches!(status, VcpuStatus::Running), "status": name})
     }
 
     /// Records a dirty-page trace of the running VM (blocks the request).
@@ -239,7 +267,7 @@ impl RunningVm {
             workload: self.description.clone(),
             baseline: Duration::from_secs_f64(number("baseline_s", 3.0)?),
         };
-        if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active(_)) {
+        if self.migrating() || matches!(&*self.migration.lock().unwrap(), Migration::Active { .. }) {
             return Err("the VM is migrating; trace it before or after".into());
         }
         if self.arriving.load(Ordering::Acquire) {
@@ -302,6 +330,7 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             "query-migrate" => Ok(self.query_migrate()),
+            "query-status" => Ok(self.query_status()),
             "migrate-resume" => self.resume_migration(request),
             "trace" => self.trace(request),
             "pause" => self.vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
@@ -311,8 +340,25 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             other => Err(format!(
-                "unknown command '{other}' (known: stats, query-memory, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
+                "unknown command '{other}' (known: stats, query-status, query-memory, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
             )),
         }
+    }
+
+    fn state(&self) -> Option<VmState> {
+        let running = matches!(self.vm.status(), VcpuStatus::Running);
+        let id = self.migrations.load(Ordering::Acquire);
+        let migration = match &*self.migration.lock().unwrap() {
+            Migration::None => None,
+            Migration::Active { progress, .. } => Some((id, qmp::migration_status(progress.get().phase))),
+            Migration::Finished(stats) => Some((
+                id,
+                match stats.status {
+                    Status::Completed => "completed",
+                    Status::Failed => "failed",
+                },
+            )),
+        };
+        Some(VmState { running, migration })
     }
 }

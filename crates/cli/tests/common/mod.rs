@@ -64,19 +64,25 @@ pub fn wait_for_socket(path: &std::path::Path) -> std::os::unix::net::UnixStream
     }
 }
 
-/// Sends one control request; None when nobody answers (the process is
+/// Sends one control request (`{"cmd":...}`, on a connection of its
+/// own); None when nobody answers (the process is
 /// gone, or silent for 10 s).
 pub fn try_control(socket: &std::path::Path, request: &serde_json::Value) -> Option<serde_json::Value> {
     use std::io::{Read, Write};
     let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
     stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
     stream.write_all(format!("{request}\n").as_bytes()).ok()?;
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).ok()? == 1 && byte[0] != b'\n' {
-        reply.push(byte[0]);
+    loop {
+        let mut reply = Vec::new();
+        let mut byte = [0u8; 1];
+        while stream.read(&mut byte).ok()? == 1 && byte[0] != b'\n' {
+            reply.push(byte[0]);
+        }
+        // The server's first line is QMP's greeting: not the reply.
+        if !reply.starts_with(b"{\"QMP\"") {
+            return serde_json::from_slice(&reply).ok();
+        }
     }
-    serde_json::from_slice(&reply).ok()
 }
 
 /// Sends one control request and returns the reply.
