@@ -1109,7 +1109,7 @@ def run_order(names: list[str], configs: dict, rep: int) -> list[str]:
     than the same configuration after another tsubame run (medians over
     three full runs), and with the order reversed every other repetition
     tsubame-auto was that run in two of three, the fixed granularities it
-    is compared with never (docs/results.md, 2026-11-27).
+    is compared with never.
     Rotated, each configuration of a group comes first in as many
     repetitions as the others (with as many repetitions as the group has
     configurations)."""

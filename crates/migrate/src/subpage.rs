@@ -350,8 +350,7 @@ impl SubpageTracker {
 /// written one; an entry across two pages (a calloc'd table starts 16 bytes
 /// past one) would read the next, unwritten one and map the kernel's shared
 /// zero page there, whose first write then shoots down every CPU's TLB: a
-/// kv migration's encoder spent half its time in those 11803 faults
-/// (docs/results.md, 2026-11-27).
+/// kv migration's encoder spent half its time in those 11803 faults.
 fn page_aligned_start<T>(table: &[T]) -> usize {
     let past = table.as_ptr() as usize % PAGE_SIZE;
     if past == 0 {

@@ -9,7 +9,7 @@ use crate::format::Trace;
 /// A small share of work is no reason to leave the work clock: a 1 GiB
 /// `sparse` guest works 0.2 % of its traced time (about one 8-byte store
 /// per write-protect fault), and its work clock predicted a real
-/// migration better than wall time did (docs/results.md).
+/// migration better than wall time did.
 pub const MIN_COUNTER_STEPS: usize = 3;
 
 /// What a replay's clock rests on.

@@ -5,8 +5,8 @@
 //! pre-copy iteration by iteration: T0 = memory/bandwidth,
 //! D_k = D(T_{k−1}), T_k = D_k·(bytes per page)/bandwidth.
 //!
-//! Three refinements make it predict tsubame's migrations on this host
-//! (docs/results.md): t is the guest's own work time ([`GuestClock`]: an
+//! Three refinements make it predict tsubame's migrations on this host:
+//! t is the guest's own work time ([`GuestClock`]: an
 //! iteration of T wall seconds gives the guest Δw with Δw/(1−β) +
 //! fault·D(Δw) = T, since dirty logging's faults slow it); a page written
 //! before its turn in the iteration goes out with that write (the sender

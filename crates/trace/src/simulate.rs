@@ -139,7 +139,7 @@ pub const GUEST_SPEED_WANDER: f64 = 0.1;
 /// several: there a single count promises more than anyone can know, and
 /// saying so is the honest answer to "will it migrate, and how?". (The
 /// range is not a bound: a real migration varies beyond ±10 % of guest
-/// speed too; docs/results.md.)
+/// speed too.)
 #[derive(Debug, Clone, Serialize)]
 pub struct Spread {
     /// The relative change of guest speed tried (0.1: ±10 %).

@@ -330,8 +330,7 @@ impl Vm {
             return self.wait_stopped_or_time_out();
         }
         // About one pause in six on this host: the vCPU thread stays in
-        // KVM_RUN for 10-60 ms after the kick (docs/results.md, "The pause
-        // outliers"). Where it waits is the clue: said once, on stderr.
+        // KVM_RUN for 10-60 ms after the kick. Where it waits is the clue: said once, on stderr.
         let tid = self.shared.thread_id.load(std::sync::atomic::Ordering::Acquire);
         let stack = std::fs::read_to_string(format!("/proc/self/task/{tid}/stack")).unwrap_or_default();
         let frames: Vec<&str> = stack.lines().filter_map(|l| l.split_whitespace().nth(1)).collect();

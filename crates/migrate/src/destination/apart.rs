@@ -4,7 +4,7 @@
 //! while the decoders apply the last pages and the digest answers. This
 //! host's scheduler queued whichever of them woke behind the loading vCPU
 //! thread while the other CPU idled (0.08-0.09 ms late in 3 of 6 idle
-//! stops, docs/results.md). From the digest before the stop until
+//! stops). From the digest before the stop until
 //! RESUMED, the vCPU thread runs on one CPU other than the receiving
 //! thread's, and the decoders and the digest on every other CPU (on this
 //! host's two, the one the data arrives on); the receiving thread too
@@ -13,7 +13,7 @@
 //! source's 1 ms spin: both ends share this host's two CPUs.) On a 16-CPU
 //! host, the data's threads held on one CPU made a kv guest's stops wait
 //! on fifteen decoders there: 0.7-3.3 ms from the digest to READY,
-//! against 0.09-0.27 with no thread placed (docs/results.md). An
+//! against 0.09-0.27 with no thread placed. An
 //! iteration the source sends after that digest (its last look found
 //! the dirty set grown) is received so too. A stop whose pages pass
 //! [`FEW_BYTES`] on channel 0 lets them all use every CPU again: held on

@@ -21,8 +21,8 @@ use crate::protocol::{FrameKind, WireError};
 /// Consecutive pages of one frame, none written before, that are backed
 /// in one call before they are written. Writing into fresh memory page by
 /// page took a page fault each, 73 % of a 2 GiB kv migration's decoder
-/// samples on this PVM host; backed in runs, its CPU time fell by a tenth
-/// (docs/results.md, 2026-11-27). A huge page per dense 2 MiB instead made
+/// samples on this PVM host; backed in runs, its CPU time fell by a tenth.
+/// A huge page per dense 2 MiB instead made
 /// the same migration 3× slower: zeroing fresh huge pages is slow here.
 const RUN_PAGES: u64 = 8;
 

@@ -75,7 +75,7 @@ const LATENCY: Duration = Duration::from_micros(100);
 /// about the fetch's share, as a stop's encoders run beside the fetch on
 /// CPUs of their own. Fitted with [`DESTINATION_PER_PAGE`] over 32 kv and
 /// bwmem stops at 10 Gbit/s on this 2-core host (25 within 20 %): a stop
-/// costs 0.5-1.9 times this from one run to the next (docs/results.md).
+/// costs 0.5-1.9 times this from one run to the next.
 const STOP_WORK_FACTOR: f64 = 0.65;
 /// What the destination spends on each page sent in the stop that the
 /// source's work does not hide: it decodes, writes and hashes the page.
@@ -254,7 +254,7 @@ impl PrecopyPolicy {
     /// hashing it, the destination's on each page sent), or for a few the
     /// pipeline's latency. The work goes on while the link carries what it
     /// made: added to the link's time, it put whole-page stops at 10
-    /// Gbit/s at 0.66-0.88 of their estimate (docs/results.md, 2026-11-27).
+    /// Gbit/s at 0.66-0.88 of their estimate.
     fn pages_time(&self, pages: u64, options: &MigrateOptions) -> Duration {
         let per_page = |cost: Duration| Duration::from_secs_f64(cost.as_secs_f64() * pages as f64);
         // Pages sent per dirty page (a kv guest's sub-pages sent a third,

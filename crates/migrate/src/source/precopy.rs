@@ -25,8 +25,7 @@ use crate::stats::{IterationStats, StopReason};
 const DIGEST_LAG_PAGES: u64 = 1024;
 
 /// Pages per batch in a stop whose stages run apart: a kv guest's stop
-/// took 0.9-1.3 µs a page with these, 1.3-1.9 with 1024-page batches
-/// (docs/results.md, 2026-11-27).
+/// took 0.9-1.3 µs a page with these, 1.3-1.9 with 1024-page batches.
 const STOP_BATCH_PAGES: u64 = 128;
 
 /// The least dirty pages of a stop whose stages run apart
