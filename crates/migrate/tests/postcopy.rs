@@ -105,13 +105,15 @@ fn auto_hands_over_a_guest_that_outruns_the_link() {
     if !kvm_or_skip() {
         return;
     }
-    // 12 MB/s: the guest's sparse writes dirty memory faster than that.
+    // 4 MB/s: the guest's sparse writes dirty memory ten times faster, and
+    // still more than twice as fast on a host so loaded that the guest gets
+    // a fraction of a CPU (at 12 MB/s such a host once let pre-copy end).
     let options =
-        MigrateOptions { postcopy: PostcopyMode::Auto, max_bandwidth: Some(12_000_000), ..MigrateOptions::default() };
-    let stats = migrate_postcopy(128 << 20, "workload=sparse wss=96M rate=40", options);
+        MigrateOptions { postcopy: PostcopyMode::Auto, max_bandwidth: Some(4_000_000), ..MigrateOptions::default() };
+    let stats = migrate_postcopy(64 << 20, "workload=sparse wss=32M rate=40", options);
     // Handed over during the first iteration, not after it.
     assert_eq!(stats.iterations, 1, "{:?}", stats.per_iteration);
-    assert!(stats.per_iteration[0].pages_sent < 96 << 20 >> 12);
+    assert!(stats.per_iteration[0].pages_sent < 32 << 20 >> 12);
     // And says so, with what it measured.
     let choice = stats.choices.iter().find(|c| c.what == "post-copy").expect("a post-copy choice");
     assert!(choice.chose.starts_with("switched at"), "{choice:?}");
