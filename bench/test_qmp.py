@@ -26,17 +26,9 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-TSUBAME = os.path.join(ROOT, "target", "release", "tsubame")
+from tsubame_bench.testing import TSUBAME, needs_kvm as needs
 
-HAVE_KVM = os.access("/dev/kvm", os.R_OK | os.W_OK)
-HAVE_BINARY = os.access(TSUBAME, os.X_OK)
-needs_kvm = pytest.mark.skipif(
-    not (HAVE_KVM and HAVE_BINARY),
-    reason="the QMP tests boot VMs: they need /dev/kvm (read-write) and target/release/tsubame "
-           f"(cargo build --release); here: /dev/kvm {'ok' if HAVE_KVM else 'missing'}, "
-           f"binary {'ok' if HAVE_BINARY else 'missing'}")
+needs_kvm = needs("the QMP tests boot VMs")
 
 VM = ["--memory", "64M", "--workload", "kv", "--workload-arg", "wss=24M"]
 MAX_REQUEST = 64 * 1024

@@ -34,19 +34,11 @@ import time
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from tsubame_bench.testing import ROOT, TSUBAME, needs_kvm as needs
+
 README = os.path.join(ROOT, "README.md")
 SECURITY = os.path.join(ROOT, "docs", "security.md")
-TSUBAME = os.path.join(ROOT, "target", "release", "tsubame")
-
-HAVE_KVM = os.access("/dev/kvm", os.R_OK | os.W_OK)
-HAVE_BINARY = os.access(TSUBAME, os.X_OK)
-needs_kvm = pytest.mark.skipif(
-    not (HAVE_KVM and HAVE_BINARY),
-    reason="README's examples need /dev/kvm (read-write) and target/release/tsubame "
-           f"(cargo build --release); here: /dev/kvm {'ok' if HAVE_KVM else 'missing'}, "
-           f"binary {'ok' if HAVE_BINARY else 'missing'}")
+needs_kvm = needs("README's examples boot VMs")
 
 # Each ```sh block of README, by its first command (trailing comment dropped,
 # whitespace collapsed, continuation lines joined), and the test that runs it.

@@ -66,16 +66,9 @@ enum Command {
 }
 
 /// An error in what the user asked for: exit code 2.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 pub struct UsageError(String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
 
 /// Wraps a message as a usage error.
 pub fn usage_error(message: impl Into<String>) -> anyhow::Error {
@@ -84,16 +77,9 @@ pub fn usage_error(message: impl Into<String>) -> anyhow::Error {
 
 /// The outcome of what was asked is not known (the other process went
 /// away before it said): exit code 3.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 pub struct OutcomeUnknown(String);
-
-impl std::fmt::Display for OutcomeUnknown {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for OutcomeUnknown {}
 
 /// Wraps a message as an unknown outcome.
 pub fn outcome_unknown(message: impl Into<String>) -> anyhow::Error {
