@@ -29,6 +29,13 @@ pub enum VmEnd {
     Migrated(Box<MigrationStats>),
 }
 
+/// The VM left with a migration: it completed, or failed once post-copy's
+/// destination had said it runs the VM (before that, the copy here is
+/// whole and stays paused).
+fn went_away(stats: &MigrationStats) -> bool {
+    stats.status == Status::Completed || stats.postcopy.as_ref().is_some_and(|p| p.switch_confirmed)
+}
+
 /// The source side's migration, as `query-migrate` reports it.
 enum Migration {
     None,
@@ -109,8 +116,10 @@ impl RunningVm {
                 if stats.status == Status::Completed {
                     return Ok(VmEnd::Migrated(stats.clone()));
                 }
-                if stats.status == Status::Failed && stats.postcopy.is_some() {
-                    // Past the switch: the VM never runs here again.
+                if stats.status == Status::Failed && stats.postcopy.as_ref().is_some_and(|p| p.switch_confirmed) {
+                    // Past the switch: the VM never runs here again. (Before
+                    // the destination confirmed it, the VM stays paused
+                    // here, and the error says so.)
                     anyhow::bail!("{}", stats.error.as_deref().unwrap_or("post-copy failed: the VM is lost"));
                 }
             }
@@ -147,7 +156,7 @@ impl RunningVm {
         match &*self.migration.lock().unwrap() {
             Migration::None => false,
             Migration::Active { .. } => true,
-            Migration::Finished(stats) => stats.status == Status::Completed || stats.postcopy.is_some(),
+            Migration::Finished(stats) => went_away(stats),
         }
     }
 
@@ -155,7 +164,7 @@ impl RunningVm {
     /// post-copy.
     pub fn migrated_away(&self) -> bool {
         matches!(&*self.migration.lock().unwrap(),
-            Migration::Finished(stats) if stats.status == Status::Completed || stats.postcopy.is_some())
+            Migration::Finished(stats) if went_away(stats))
     }
 
     /// Starts migrating the VM to `to` on a thread of its own.
@@ -171,7 +180,7 @@ impl RunningVm {
             let mut slot = self.migration.lock().unwrap();
             match &*slot {
                 Migration::Active { .. } => return Err("a migration is already running".into()),
-                Migration::Finished(stats) if stats.status == Status::Completed || stats.postcopy.is_some() => {
+                Migration::Finished(stats) if went_away(stats) => {
                     return Err("the VM has already been migrated away".into())
                 }
                 _ => {}

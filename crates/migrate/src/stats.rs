@@ -159,6 +159,10 @@ pub struct PostcopyStats {
     pub guest_ops_per_sec: f64,
     /// Times a cut link was taken back up.
     pub resumes: u32,
+    /// The destination said it runs the VM (POSTCOPY_RUNNING, or a
+    /// reconnection it took): from then on this copy is stale. Until then
+    /// a failure leaves it paused, not lost.
+    pub switch_confirmed: bool,
 }
 
 /// Per-codec counters.

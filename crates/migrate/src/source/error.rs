@@ -43,6 +43,10 @@ pub enum SourceError {
     /// source's.
     #[error("post-copy: the destination's memory differs from the source's in {0} digest regions")]
     PostcopyCorrupt(u32),
+    /// POSTCOPY (the switch) went out but the destination never said it
+    /// runs the VM, nor came back: it may run it, or may never have had it.
+    #[error("post-copy: the switch was sent but the destination never said it runs the VM ({0}); the VM stays paused here and may be running at the destination — check it before resuming")]
+    SwitchUnconfirmed(String),
     /// COMMIT went out but the destination never confirmed.
     #[error("commit was sent but the destination did not confirm ({0}); the VM stays paused here and may be running at the destination — check it before resuming")]
     CommitUnconfirmed(String),

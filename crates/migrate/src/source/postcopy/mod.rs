@@ -181,14 +181,25 @@ impl SourceRun<'_> {
             }
             Ok(Heard::Lost(why)) => {
                 self.enter(SourceState::PostcopyPaused);
-                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing)?;
+                // A destination that never had POSTCOPY went back to
+                // waiting and refuses the reconnection: the VM may never
+                // have run there, and this copy is whole. It stays paused
+                // (not lost), as after an unconfirmed COMMIT.
+                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing).map_err(|e| {
+                    match e {
+                        SourceError::PostcopyLost(why) => SourceError::SwitchUnconfirmed(why),
+                        other => other,
+                    }
+                })?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
                 self.stats.downtime_ms = ms(paused.elapsed());
             }
             Ok(other) => return Err(self.postcopy_failure(other)),
-            Err(_) => return Err(SourceError::PostcopyLost("the destination did not say it runs the VM".into())),
+            Err(_) => return Err(SourceError::SwitchUnconfirmed("no word within the I/O timeout".into())),
         }
+        // The destination runs the VM: this copy is stale from now on.
+        self.stats.postcopy.as_mut().expect("set at the switch").switch_confirmed = true;
         drop(realtime);
         if link.digest.is_none() {
             self.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
