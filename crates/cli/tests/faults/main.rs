@@ -30,6 +30,7 @@
 //! and a guest that read back a stale block (a warm cache that missed a
 //! write) stops with an error, which counts as broken.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};
