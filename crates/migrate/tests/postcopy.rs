@@ -22,7 +22,7 @@ fn migrate_postcopy(memory_bytes: u64, args: &str, options: MigrateOptions) -> t
     vm.load_guest(guest_elf::GUEST_ELF, &cmdline).unwrap();
     let console = vm.take_console().unwrap();
     vm.start(false).unwrap();
-    let before = ops_until(&console, Duration::from_millis(600));
+    let before = ops_at_least(&console, 1, Duration::from_millis(600));
 
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -160,11 +160,27 @@ fn a_throttled_vcpu_runs_slower_and_recovers() {
     }
     let (vm, console) = boot(64 << 20, "workload=sparse wss=16M");
     collect(&console, Duration::from_millis(300));
-    let free = ops_rate(&console, Duration::from_millis(1500));
+    // Wall-clock rates: a host whose load changes within the 4.5 s of one
+    // try (10 runnable threads per CPU once) can make a free stretch as
+    // slow as the throttled one; the throttle shows in one of three tries.
+    let mut tries = 3;
+    loop {
+        tries -= 1;
+        match throttle_try(&vm, &console) {
+            Ok(()) => break,
+            Err(why) if tries == 0 => panic!("{why}"),
+            Err(why) => eprintln!("again: {why}"),
+        }
+    }
+}
+
+/// One measurement of [`a_throttled_vcpu_runs_slower_and_recovers`].
+fn throttle_try(vm: &Vm, console: &Receiver<ConsoleLine>) -> Result<(), String> {
+    let free = ops_rate(console, Duration::from_millis(1500));
     vm.set_throttle(0.8);
     assert_eq!(vm.throttle(), 0.8);
-    collect(&console, Duration::from_millis(100));
-    let throttled = ops_rate(&console, Duration::from_millis(1500));
+    collect(console, Duration::from_millis(100));
+    let throttled = ops_rate(console, Duration::from_millis(1500));
     assert!(throttled > 0.0, "a throttled guest still runs");
     // A pause is not held up by a throttle sleep.
     let asked = Instant::now();
@@ -172,15 +188,18 @@ fn a_throttled_vcpu_runs_slower_and_recovers() {
     assert!(asked.elapsed() < Duration::from_millis(200), "pause took {:?}", asked.elapsed());
     vm.resume().unwrap();
     vm.set_throttle(0.0);
-    collect(&console, Duration::from_millis(100));
-    let again = ops_rate(&console, Duration::from_millis(1500));
+    collect(console, Duration::from_millis(100));
+    let again = ops_rate(console, Duration::from_millis(1500));
     // 80 % asleep: about a fifth of the speed. Against the faster of the
     // free stretches before and after: on a loaded host one of them may
     // itself run at half speed (a 0.504 ratio failed a fixed 0.5 to the
     // one before).
     let free = free.max(again);
-    assert!(throttled < free * 0.5, "free {free:.0} ops/s, throttled {throttled:.0}, then {again:.0}");
-    assert!(again > throttled * 2.0, "throttled {throttled:.0} ops/s, then {again:.0}");
+    if throttled < free * 0.5 && again > throttled * 2.0 {
+        Ok(())
+    } else {
+        Err(format!("free {free:.0} ops/s, throttled {throttled:.0}, then {again:.0}"))
+    }
 }
 
 #[test]
