@@ -52,6 +52,19 @@ pub enum SourceError {
     CommitUnconfirmed(String),
 }
 
+impl SourceError {
+    /// A failure to reconnect before the destination said it runs the VM:
+    /// a destination that never had POSTCOPY went back to waiting and
+    /// refuses it, so the VM may never have run there and this copy is
+    /// whole. It stays paused (not lost), as after an unconfirmed COMMIT.
+    pub(super) fn unconfirmed(self) -> SourceError {
+        match self {
+            SourceError::PostcopyLost(why) => SourceError::SwitchUnconfirmed(why),
+            other => other,
+        }
+    }
+}
+
 impl From<std::io::Error> for SourceError {
     fn from(e: std::io::Error) -> Self {
         SourceError::Wire(WireError::Io(e))

@@ -66,8 +66,7 @@ const FEW_STALE: u64 = 64;
 /// behind at most this much of it on a shaped link (10 ms bursts put the
 /// median fault service at ~1 ms at 1 Gbit/s).
 const PUSH_BURST: Duration = Duration::from_millis(1);
-/// How often a source waiting for its digest says it is alive: well
-/// within the destination's I/O timeout (30 s by default).
+/// How often a source waiting for its digest says it is alive (well within the destination's I/O timeout).
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
 impl SourceRun<'_> {
@@ -181,16 +180,9 @@ impl SourceRun<'_> {
             }
             Ok(Heard::Lost(why)) => {
                 self.enter(SourceState::PostcopyPaused);
-                // A destination that never had POSTCOPY went back to
-                // waiting and refuses the reconnection: the VM may never
-                // have run there, and this copy is whole. It stays paused
-                // (not lost), as after an unconfirmed COMMIT.
-                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing).map_err(
-                    |e| match e {
-                        SourceError::PostcopyLost(why) => SourceError::SwitchUnconfirmed(why),
-                        other => other,
-                    },
-                )?;
+                let digest = link.digest.clone();
+                link =
+                    self.reconnect(&why, &outstanding, &counters, digest, packing).map_err(SourceError::unconfirmed)?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
                 self.stats.downtime_ms = ms(paused.elapsed());
