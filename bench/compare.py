@@ -60,7 +60,7 @@ from tsubame_bench.demo import tsubame_figures
 from tsubame_bench.link import ACTIVE_LINKS, Link, remove_stale_namespaces
 from tsubame_bench.procs import (CpuSampler, Proc, follow_console_socket, sh, stop_all_processes, stop_process,
                                  wait_for_path, wait_until)
-from tsubame_bench.qmp import Qmp, qemu_figures
+from tsubame_bench.qmp import Qmp, probe_qemu, qemu_figures, qemu_version_label, qemu_version_line
 from tsubame_bench.units import parse_rate, parse_size, tsubame_rate_arg
 
 MIGRATION_PORT = 47001
@@ -84,6 +84,9 @@ class VmmConfig:
     # seconds, whichever comes first (postcopy-ram is then set on both ends)
     postcopy_after_passes: int | None = None
     postcopy_after_s: float | None = None
+    # qemu: the -accel option of both QEMUs instead of -enable-kvm, e.g. "kvm,dirty-ring-size=4096"
+    # (the KVM dirty ring, which the dirty-limit capability needs)
+    accel: str | None = None
 
     def qemu_postcopy(self):
         return self.postcopy_after_passes is not None or self.postcopy_after_s is not None
@@ -146,7 +149,7 @@ def load_case_file(path):
         raise HarnessError(f"{path}: {e}") from None
     configs = {}
     for name, spec in doc.get("configs", {}).items():
-        keys = {"vmm", "args", "capabilities", "parameters", "postcopy_after_passes", "postcopy_after_s"}
+        keys = {"vmm", "args", "capabilities", "parameters", "postcopy_after_passes", "postcopy_after_s", "accel"}
         unknown = set(spec) - keys
         if unknown or spec.get("vmm") not in ("qemu", "tsubame"):
             raise HarnessError(f"{path}: config {name}: needs vmm = \"qemu\" or \"tsubame\" "
@@ -155,11 +158,16 @@ def load_case_file(path):
         if (after_passes is not None or after_s is not None) and spec["vmm"] != "qemu":
             raise HarnessError(f"{path}: config {name}: postcopy_after_* is for QEMU; tsubame takes "
                                f"args = [\"--postcopy\", \"after=N\"] or [\"--postcopy\", \"auto\"]")
+        accel = spec.get("accel")
+        if accel is not None and (spec["vmm"] != "qemu" or not str(accel).startswith("kvm")):
+            raise HarnessError(f"{path}: config {name}: accel is QEMU's -accel option and must name kvm "
+                               f"(e.g. \"kvm,dirty-ring-size=4096\"), got {accel!r} for vmm {spec['vmm']}")
         configs[name] = VmmConfig(name=name, vmm=spec["vmm"], args=[str(a) for a in spec.get("args", [])],
                                   capabilities=list(spec.get("capabilities", [])),
                                   parameters=dict(spec.get("parameters", {})),
                                   postcopy_after_passes=None if after_passes is None else int(after_passes),
-                                  postcopy_after_s=None if after_s is None else float(after_s))
+                                  postcopy_after_s=None if after_s is None else float(after_s),
+                                  accel=None if accel is None else str(accel))
     defaults = dict(CASE_DEFAULTS)
     defaults["configs"] = list(configs)
     defaults.update(doc.get("defaults", {}))
@@ -398,9 +406,10 @@ def new_result(case, config, rep, env):
                      cmdline=guest_cmdline(case, env.tsc_khz), status="failed")
 
 
-def qemu_command(env, case, tag, incoming):
+def qemu_command(env, case, config, tag, incoming):
+    accel = ["-accel", config.accel] if config.accel else ["-enable-kvm"]
     cmd = [env.qemu, "-name", f"tsb-{tag},debug-threads=on",  # names the vCPU thread "CPU 0/KVM"
-           "-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", case.memory, "-nodefaults", "-nographic",
+           *accel, "-cpu", "host,-arch-capabilities", "-m", case.memory, "-nodefaults", "-nographic",
            "-kernel", env.guest_elf, "-append", guest_cmdline(case, env.tsc_khz),
            "-chardev", f"socket,id=d,path={env.sock_dir}/{tag}-con.sock,server=on,wait=off",
            "-device", "isa-debugcon,iobase=0xe9,chardev=d",
@@ -432,9 +441,9 @@ def run_qemu(case, config, rep, env, link, run_tag):
     uri = f"tcp:{link.dst_ip}:{MIGRATION_PORT}"
     src = dst = src_qmp = dst_qmp = None
     try:
-        dst = Proc(f"{what} QEMU destination", link.netns_exec(link.dst_ns) + qemu_command(env, case, "dst", True),
+        dst = Proc(f"{what} QEMU destination", link.netns_exec(link.dst_ns) + qemu_command(env, case, config, "dst", True),
                    os.path.join(env.log_dir, f"{run_tag}-dst.log"))
-        src = Proc(f"{what} QEMU source", link.netns_exec(link.src_ns) + qemu_command(env, case, "src", False),
+        src = Proc(f"{what} QEMU source", link.netns_exec(link.src_ns) + qemu_command(env, case, config, "src", False),
                    os.path.join(env.log_dir, f"{run_tag}-src.log"))
         dst_log = follow_console_socket(f"{env.sock_dir}/dst-con.sock", dst)
         src_log = follow_console_socket(f"{env.sock_dir}/src-con.sock", src)
@@ -444,6 +453,7 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if caps:
                 qmp.execute("migrate-set-capabilities", capabilities=caps)
             qmp.execute("migrate-set-parameters", **params)
+            check_qemu_settings(qmp, caps, params)
         if config.qemu_postcopy():
             # the vCPUs' time blocked on missing pages, read back from the destination
             dst_qmp.execute("migrate-set-capabilities",
@@ -533,6 +543,18 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if p is not None:
                 p.wait(5)
                 stop_process(p)
+
+
+def check_qemu_settings(qmp, caps, params):
+    """Reads the capabilities and parameters back (query-migrate-capabilities, query-migrate-parameters):
+    a configuration QEMU took other than asked would measure something else."""
+    on = {c["capability"] for c in qmp.execute("query-migrate-capabilities") if c["state"]}
+    off = [c["capability"] for c in caps if c["capability"] not in on]
+    got = qmp.execute("query-migrate-parameters")
+    differ = [f"{k}={got.get(k)!r} (asked {v!r})" for k, v in params.items() if got.get(k) != v]
+    if off or differ:
+        raise HarnessError(f"{qmp.name}: QEMU did not take the configuration: "
+                           + "; ".join(([f"capabilities not on: {', '.join(off)}"] if off else []) + differ))
 
 
 def qemu_postcopy_due(config, reply, t_start):
@@ -992,7 +1014,7 @@ def check_prerequisites(args):
     if not os.path.exists(args.tsubame):
         raise HarnessError(f"{args.tsubame} not found: run `cargo build --release` first")
     if not shutil.which(args.qemu):
-        raise HarnessError(f"{args.qemu} not found: apt-get install qemu-system-x86")
+        raise HarnessError(f"{args.qemu} not found: scripts/setup.sh installs QEMU 10")
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
@@ -1071,11 +1093,17 @@ def run_cases(args, out_dir):
         sh(args.tsubame, "guest-elf", elf)
         env = Env(tsubame=args.tsubame, qemu=args.qemu, guest_elf=elf, tsc_khz=read_tsc_khz(args.tsubame),
                   sock_dir=work, log_dir=log_dir)
-        print(f"compare: tsc_khz={env.tsc_khz}; logs in {log_dir}", file=sys.stderr)
+        # Every run records the QEMU it was compared with (also a tsubame run: its ratios are against it).
+        qemu_version = qemu_version_line(args.qemu)
+        print(f"compare: tsc_khz={env.tsc_khz}; {args.qemu}: {qemu_version}; logs in {log_dir}", file=sys.stderr)
+        skipped = qemu_configs_to_skip(args.qemu, qemu_version,
+                                       [configs[n] for c in cases for n in c.configs
+                                        if not args.configs or n in args.configs.split(",")])
         runs, failures = [], []
         invocation = datetime.datetime.now().isoformat(timespec="seconds")
         for case in cases:
-            names = [n for n in case.configs if not args.configs or n in args.configs.split(",")]
+            names = [n for n in case.configs if (not args.configs or n in args.configs.split(","))
+                     and n not in skipped]
             reps = args.repetitions or case.repetitions
             for rep in range(1, reps + 1):
                 for name in run_order(names, configs, rep):
@@ -1093,6 +1121,8 @@ def run_cases(args, out_dir):
                     record = dataclasses.asdict(result)
                     record["invocation"] = invocation
                     record["case_file"] = args.cases
+                    record["qemu"] = shutil.which(args.qemu) or args.qemu
+                    record["qemu_version"] = qemu_version
                     with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
                     runs.append(record)
@@ -1100,6 +1130,32 @@ def run_cases(args, out_dir):
         return runs, failures
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def qemu_configs_to_skip(qemu, version, configs):
+    """{name: why} for the QEMU configurations this QEMU cannot run here, each said in one line on stderr:
+    one whose -accel this host's KVM refuses (a dirty ring), or one that needs a migration capability this
+    QEMU lacks (dirty-limit before QEMU 8.1, with --qemu of a 7.2). Each distinct -accel is probed once,
+    on a QEMU without a machine (about a second)."""
+    probes, skipped = {}, {}
+    for config in configs:
+        if config.vmm != "qemu" or config.name in skipped:
+            continue
+        if config.accel not in probes:
+            probes[config.accel] = probe_qemu(qemu, config.accel)
+        offered, error = probes[config.accel]
+        if error is not None and config.accel is None:
+            raise HarnessError(f"{qemu} does not start under KVM (-accel kvm -M none): {error}")
+        if error is not None:
+            skipped[config.name] = f"this host refuses -accel {config.accel or 'kvm'}: {error}"
+        else:
+            missing = [c for c in config.capabilities if c not in offered]
+            if missing:
+                skipped[config.name] = (f"{qemu_version_label(version)} ({qemu}) offers no migration "
+                                        f"capability {', '.join(missing)}")
+        if config.name in skipped:
+            print(f"compare: skipping {config.name}: {skipped[config.name]}", file=sys.stderr, flush=True)
+    return skipped
 
 
 def run_order(names: list[str], configs: dict, rep: int) -> list[str]:
