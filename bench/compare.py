@@ -765,30 +765,68 @@ def ratio_rows(runs):
     return rows
 
 
+# Figures where more is better (the guest's throughput); for every other figure less is.
+HIGHER_IS_BETTER = {"ops_per_sec_before", "ops_per_sec_during", "ops_per_sec_after", "ops_per_sec_postcopy"}
+
+
+def best_qemu(summaries, key):
+    """(name, median) of the best QEMU configuration for one figure: of the QEMU configurations with a
+    completed run and a median for it, the lowest (the highest for ops/s; the first listed on a tie), or
+    (None, None) when none has one. Each figure has its own best: the fastest configuration need not
+    stop the guest the shortest time."""
+    candidates = [(name, s[key]) for name, s in summaries.items()
+                  if s["vmm"] == "qemu" and s["completed"] and s[key] is not None]
+    if not candidates:
+        return None, None
+    pick = max if key in HIGHER_IS_BETTER else min
+    return pick(candidates, key=lambda c: c[1])
+
+
 def best_qemu_rows(runs):
-    """[(case, best QEMU config or None, figures)] for each case that ran tsubame-auto (no flags): its median total
-    against the best QEMU configuration's (the lowest median total among those with a completed run), its VMM
-    downtime against qemu-default's, its own guest downtime, and its total against the better of tsubame-4096 and
-    tsubame-spp128 (whole pages, 128-byte sub-pages) run alongside, as issue 21's targets put them."""
+    """[(case, figures)] for each case that ran tsubame-auto (no flags): for every figure of RATIO_METRICS
+    `best[key]` = {config, qemu, tsubame, ratio}: the best completing QEMU configuration of that figure
+    (best_qemu), its median, tsubame-auto's median and tsubame-auto ÷ best QEMU; tsubame-auto's completed
+    runs; and its total against the better of tsubame-4096 and tsubame-spp128 (whole pages, 128-byte
+    sub-pages) run alongside, as issue 21's targets put it."""
     rows = []
     for case, configs in group_runs(runs).items():
         summaries = {name: summarize(rs) for name, rs in configs.items()}
         auto = summaries.get("tsubame-auto")
         if auto is None:
             continue
-        qemu = {name: s for name, s in summaries.items() if s["vmm"] == "qemu" and s["completed"]}
-        best = min(qemu, key=lambda name: qemu[name]["total_time_s"], default=None)
-        default = summaries.get("qemu-default")
+        best = {}
+        for key in RATIO_METRICS:
+            name, value = best_qemu(summaries, key)
+            best[key] = {"config": name, "qemu": value, "tsubame": auto[key], "ratio": ratio(auto[key], value)}
         fixed = [summaries[n]["total_time_s"] for n in ("tsubame-4096", "tsubame-spp128")
                  if n in summaries and summaries[n]["completed"]]
-        rows.append((case, best, {
+        rows.append((case, {
             "completed": f"{auto['completed']}/{auto['runs']}",
-            "total": ratio(auto["total_time_s"], qemu[best]["total_time_s"]) if best else None,
-            "downtime": ratio(auto["vmm_downtime_ms"], default["vmm_downtime_ms"]) if default else None,
-            "guest_downtime_ms": auto["guest_downtime_ms"],
+            "best": best,
             "granularity": ratio(auto["total_time_s"], min(fixed)) if len(fixed) == 2 else None,
         }))
     return rows
+
+
+def qemu_versions(runs):
+    """The distinct `qemu_version` lines of the QEMU runs, in first-seen order; None for runs recorded
+    without one (runs.jsonl written before the harness recorded it, read back with --table-from)."""
+    versions = []
+    for r in runs:
+        if r["vmm"] == "qemu" and r.get("qemu_version") not in versions:
+            versions.append(r.get("qemu_version"))
+    return versions
+
+
+def qemu_label(runs):
+    """What the tables call the QEMU they compare with: "QEMU 10.0.2", "QEMU (version unknown)" when a
+    run did not record it (never plain "QEMU": the figures of 7.2 and 10 differ twofold), or several
+    joined with "and" when the runs mix versions."""
+    labels = []
+    for version in qemu_versions(runs):
+        if qemu_version_label(version) not in labels:
+            labels.append(qemu_version_label(version))
+    return " and ".join(labels) or "QEMU (version unknown)"
 
 
 def expected_rows(runs):
@@ -818,8 +856,18 @@ def fmt(value, scale=1, pattern="{:.2f}"):
 
 
 def make_table(runs):
-    """Markdown: one row per case and config with medians, then tsubame/QEMU ratios per case."""
-    out = ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
+    """Markdown: which QEMU, one row per case and config with medians, then tsubame/QEMU ratios per case,
+    then tsubame-auto against the best QEMU configuration of each case and figure."""
+    label = qemu_label(runs)
+    out = []
+    for version in qemu_versions(runs):
+        out.append(f"Against {qemu_version_label(version)}: "
+                   + (f"`qemu-system-x86_64 --version`: {version}" if version else
+                      "these QEMU runs were recorded without `qemu_version` (runs.jsonl from before the harness "
+                      "recorded it)"))
+    out += ["" if out else None]
+    out = [line for line in out if line is not None]
+    out += ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
            "|---|---|---|---|" + "---|" * len(METRICS)]
     for case, configs in group_runs(runs).items():
         for config, rs in configs.items():
@@ -830,7 +878,7 @@ def make_table(runs):
             out.append(f"| {case} | {config} | {s['completed']}/{s['runs']} | {s['converged']}/{s['runs']} | "
                        + " | ".join(cells) + " |")
     titles = {key: title.replace(" (s)", "").replace(" (ms)", "") for title, key, _, _ in METRICS}
-    out += ["", "Ratios tsubame / QEMU of the medians over completed runs (below 1: tsubame lower; "
+    out += ["", f"Ratios tsubame / {label} of the medians over completed runs (below 1: tsubame lower; "
             "for Mops/s during, above 1: the guest ran faster under tsubame; –: a side has no completed run):", "",
             "| case | tsubame | QEMU | " + " | ".join(titles[k] for k in RATIO_METRICS) + " |",
             "|---|---|---|" + "---|" * len(RATIO_METRICS)]
@@ -838,15 +886,25 @@ def make_table(runs):
         out.append(f"| {case} | {tname} | {qname} | " + " | ".join(fmt(ratios[k]) for k in RATIO_METRICS) + " |")
     best = best_qemu_rows(runs)
     if best:
-        out += ["", "tsubame-auto (no flags) against the best QEMU configuration of each case (lowest median total of "
-                "those that completed), its VMM downtime against qemu-default's, and its total against the better of "
-                "tsubame-4096 and tsubame-spp128:", "",
-                "| case | best QEMU | tsubame-auto completed | total ÷ best QEMU | VMM downtime ÷ qemu-default | "
-                "guest downtime (ms) | total ÷ better of 4096/128 |", "|---|---|---|---|---|---|---|"]
-        for case, name, f in best:
-            out.append(f"| {case} | {name or 'none completed'} | {f['completed']} | {fmt(f['total'])} | "
-                       f"{fmt(f['downtime'])} | {fmt(f['guest_downtime_ms'], 1, '{:.0f}')} | "
-                       f"{fmt(f['granularity'])} |")
+        units = {key: (title, scale, pattern) for title, key, scale, pattern in METRICS}
+        out += ["", f"tsubame-auto (no flags) against the best {label} configuration of each case and figure: of "
+                "the QEMU configurations with a completed run, the one with the lowest median (the highest for "
+                "Mops/s and kops/s), named; ÷: tsubame-auto's median ÷ that one's (–: a side has no completed run):",
+                "", "| case | figure | best QEMU | best QEMU's median | tsubame-auto's median | tsubame-auto ÷ best QEMU |",
+                "|---|---|---|---|---|---|"]
+        for case, f in best:
+            for key, b in f["best"].items():
+                if b["qemu"] is None and b["tsubame"] is None:
+                    continue  # a figure neither side has here (post-copy figures of a pre-copy case)
+                title, scale, pattern = units[key]
+                out.append(f"| {case} | {title} | {b['config'] or 'none completed'} | {fmt(b['qemu'], scale, pattern)} "
+                           f"| {fmt(b['tsubame'], scale, pattern)} ({f['completed']} completed) | {fmt(b['ratio'])} |")
+        granularity = [(case, f) for case, f in best if f["granularity"] is not None]
+        if granularity:
+            out += ["", "tsubame-auto's median total against the better of tsubame-4096 and tsubame-spp128:", "",
+                    "| case | tsubame-auto completed | total ÷ better of 4096/128 |", "|---|---|---|"]
+            for case, f in granularity:
+                out.append(f"| {case} | {f['completed']} | {fmt(f['granularity'])} |")
     expected = expected_rows(runs)
     if expected:
         within = sum(f["within"] for _, _, f in expected)
@@ -935,7 +993,7 @@ def plot_case(case, runs, out_dir):
         ax.set_title(title, fontsize=10)
         ax.margins(y=0.25)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{case}: medians over completed runs (tsubame vs QEMU 7.2)", fontsize=11)
+    fig.suptitle(f"{case}: medians over completed runs (tsubame vs {qemu_label(runs)})", fontsize=11)
     fig.tight_layout()
     bars_path = os.path.join(out_dir, f"{case}-bars.png")
     fig.savefig(bars_path, dpi=110)

@@ -380,9 +380,12 @@ def test_table_text():
     assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | 2.00 |"
             in table)
     assert "| b | tsubame-auto | qemu-default | – |" in table
-    # the default against the best QEMU configuration (qemu-xbzrle's median 9 s) and qemu-default's downtime
-    assert "| a | qemu-xbzrle | 2/3 | 0.56 | 0.50 | 200 | – |" in table
-    assert "| b | none completed | 1/1 | – | – | 450 | – |" in table
+    # the default against the best QEMU configuration of each figure
+    assert "| a | total (s) | qemu-xbzrle | 9.00 | 5.00 (2/3 completed) | 0.56 |" in table
+    assert "| a | VMM downtime (ms) | qemu-xbzrle | 20 | 150 (2/3 completed) | 7.50 |" in table
+    assert "| a | MiB on wire | qemu-default | 1000 | 600 (2/3 completed) | 0.60 |" in table
+    assert "| b | total (s) | none completed | – | 30.00 (1/1 completed) | – |" in table
+    assert "post-copy" not in table.split("tsubame-auto (no flags) against")[1]  # no side has that figure here
 
 
 def test_run_order_rotates_each_vmm_group():
@@ -397,12 +400,58 @@ def test_run_order_rotates_each_vmm_group():
     assert all(sorted(order) == sorted(names) for order in orders)
 
 
+def test_table_names_the_qemu_version():
+    """A table says which QEMU it compares with (`qemu-system-x86_64 --version` as recorded in each run); runs
+    recorded without it (older runs.jsonl read back with --table-from) are labelled "QEMU (version unknown)"."""
+    runs = compare.load_runs(data("ratio-runs.jsonl"))  # recorded without qemu_version
+    old = compare.make_table(runs)
+    assert old.startswith("Against QEMU (version unknown): these QEMU runs were recorded without `qemu_version`")
+    assert "Ratios tsubame / QEMU (version unknown) of the medians" in old
+    assert "against the best QEMU (version unknown) configuration" in old
+    line = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)"
+    new = compare.make_table([dict(r, qemu_version=line) for r in runs])
+    assert new.startswith(f"Against QEMU 10.0.2: `qemu-system-x86_64 --version`: {line}\n")
+    assert "Ratios tsubame / QEMU 10.0.2 of the medians" in new and "version unknown" not in new
+    # runs of two QEMUs read back together: both named, never plain "QEMU"
+    mixed = [dict(r, qemu_version=line) if r["case"] == "a" else r for r in runs]
+    assert compare.qemu_label(mixed) == "QEMU 10.0.2 and QEMU (version unknown)"
+    assert compare.make_table(mixed).count("\nAgainst ") == 1  # two header lines: the first and one more
+
+
+def test_best_qemu_per_figure():
+    """Each figure has its own best QEMU configuration: in case a qemu-xbzrle (one run) has the lower total and
+    VMM downtime and lets the guest run faster, qemu-default sends fewer bytes and costs less CPU; on a tie (guest
+    downtime 320 ms both) the first listed. Ratios are tsubame-auto's median against that configuration's."""
+    runs = compare.load_runs(data("ratio-runs.jsonl"))
+    rows = dict(compare.best_qemu_rows(runs))
+    best = rows["a"]["best"]
+    picks = {key: b["config"] for key, b in best.items()}
+    assert picks == {"total_time_s": "qemu-xbzrle", "time_to_destination_s": "qemu-default",
+                     "vmm_downtime_ms": "qemu-xbzrle", "guest_downtime_ms": "qemu-default",
+                     "bytes_on_wire": "qemu-default", "cpu_source_s": "qemu-default",
+                     "cpu_source_migration_s": "qemu-default", "cpu_destination_s": "qemu-default",
+                     "ops_per_sec_during": "qemu-xbzrle", "ops_per_sec_postcopy": None}
+    assert best["total_time_s"] == {"config": "qemu-xbzrle", "qemu": 9.0, "tsubame": 5.0, "ratio": pytest.approx(5 / 9)}
+    assert best["vmm_downtime_ms"]["ratio"] == pytest.approx(150 / 20)
+    assert best["ops_per_sec_during"]["qemu"] == 1.2e6  # the highest: more is better
+    assert best["bytes_on_wire"]["ratio"] == pytest.approx(0.6)
+    assert rows["a"]["completed"] == "2/3"
+    # QEMU never completed case b: no best, no ratio
+    assert all(b["config"] is None and b["ratio"] is None for b in rows["b"]["best"].values())
+    # a QEMU configuration that only timed out is never the best, however low its figures
+    runs.append(dict(runs[0], config="qemu-dirty-limit", status="timeout", total_time_s=1.0, vmm_downtime_ms=1))
+    assert dict(compare.best_qemu_rows(runs))["a"]["best"]["total_time_s"]["config"] == "qemu-xbzrle"
+    # tsubame configurations are never "best QEMU"
+    summaries = {n: compare.summarize(rs) for n, rs in compare.group_runs(runs)["a"].items()}
+    assert compare.best_qemu(summaries, "total_time_s") == ("qemu-xbzrle", 9.0)
+
+
 def test_auto_against_the_better_fixed_granularity():
     runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
     auto = [r for r in runs if r["config"] == "tsubame-auto"]
     for name, total in (("tsubame-4096", 8.0), ("tsubame-spp128", 4.0)):
         runs += [dict(r, config=name, total_time_s=total) for r in auto]
-    [(_, _, figures)] = compare.best_qemu_rows(runs)
+    [(_, figures)] = compare.best_qemu_rows(runs)
     assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 
