@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side live-migration benchmark: tsubame against QEMU 7.2.
+"""Side-by-side live-migration benchmark: tsubame against QEMU 10 (its best modes).
 
 For every case of a case file (bench/cases/*.toml) and every configuration
 it names, the harness boots the same guest ELF with the same command line
@@ -249,7 +249,7 @@ class RunResult:
     destination_progress_lines: int = 0
     guest_banner_source: str | None = None
     # post-copy: when the phase began and how long it lasted (from migration start), the guest's ops/s
-    # at the destination meanwhile, and fault figures (tsubame: service latency; QEMU 7.2 exposes
+    # at the destination meanwhile, and fault figures (tsubame: service latency; QEMU (7.2 and 10) exposes
     # only the vCPUs' total blocked time, postcopy-blocktime)
     postcopy_start_s: float | None = None
     postcopy_duration_s: float | None = None
@@ -424,7 +424,7 @@ def qemu_migration_settings(case, config):
         names.append("postcopy-ram")
     caps = [{"capability": c, "state": True} for c in names]
     bits = case.bandwidth_bits()
-    # QEMU 7.2's default max-bandwidth is 128 MiB/s: always set it; "unlimited" is 1 TB/s.
+    # QEMU's default max-bandwidth is 128 MiB/s (7.2 and 10): always set it; "unlimited" is 1 TB/s.
     params = {"max-bandwidth": int(bits / 8) if bits else 10**12, "downtime-limit": case.downtime_limit_ms}
     params.update(config.parameters)
     return caps, params
