@@ -420,6 +420,8 @@ def test_table_names_the_qemu_version():
     mixed = [dict(r, qemu_version=line) if r["case"] == "a" else r for r in runs]
     assert compare.qemu_label(mixed) == "QEMU 10.0.2 and QEMU (version unknown)"
     assert compare.make_table(mixed).count("\nAgainst ") == 1  # two header lines: the first and one more
+    # an invocation of tsubame configurations alone (bench/device/stop_check.sh, --qemu /bin/true)
+    assert compare.qemu_label([r for r in runs if r["vmm"] == "tsubame"]) == "QEMU (none ran)"
 
 
 def test_best_qemu_per_figure():
