@@ -21,12 +21,17 @@ CPU-seconds of the source and destination processes (utime+stime from
 before/during/after the migration.
 
 Output, in --out (default results/<date>): runs.jsonl (one JSON object per
-run, appended), table.md (medians and tsubame/QEMU ratios of this
-invocation, tsubame-auto against the best QEMU configuration, and
-tsubame's expected against its measured downtime; also printed),
-<case>-bars.png and <case>-timeline.png.
+run, appended, each with the QEMU binary and the first line of its
+--version), table.md (the QEMU version, medians and tsubame/QEMU ratios of
+this invocation, tsubame-auto against the best QEMU configuration of each
+case and figure, and tsubame's expected against its measured downtime;
+also printed), <case>-bars.png and <case>-timeline.png.
 
-Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 and a built
+QEMU configurations whose -accel this host's KVM refuses (the dirty ring)
+or that need a capability the QEMU lacks are skipped with one line each.
+
+Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 (10; 7.2 runs with
+--qemu PATH, less what it lacks) and a built
 tsubame (cargo build --release). Exit status 0 when every run completed or
 timed out as a result; 1 with a one-line error when a run failed (QEMU or
 tsubame reported a failed migration, the destination printed no progress
@@ -865,8 +870,8 @@ def make_table(runs):
                    + (f"`qemu-system-x86_64 --version`: {version}" if version else
                       "these QEMU runs were recorded without `qemu_version` (runs.jsonl from before the harness "
                       "recorded it)"))
-    out += ["" if out else None]
-    out = [line for line in out if line is not None]
+    if out:
+        out.append("")
     out += ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
            "|---|---|---|---|" + "---|" * len(METRICS)]
     for case, configs in group_runs(runs).items():
