@@ -306,6 +306,19 @@ def test_qemu_figures():
     assert qmp.qemu_figures({"status": "failed", "error-desc": "boom"})["error"] == "boom"
 
 
+def test_qmp_connection_lost_is_a_harness_error():
+    """A QEMU that exits as it starts (a 7.2 that found no BIOS reset the connection) is a failed run with a
+    one-line error, not a traceback that ends the harness."""
+    import socket
+    ours, theirs = socket.socketpair()
+    client = qmp.Qmp.__new__(qmp.Qmp)
+    client.name, client.sock, client.reader = "src", ours, ours.makefile("rb")
+    theirs.close()
+    with pytest.raises(tsubame_bench.HarnessError, match="src: QMP connection (lost|closed)"):
+        client.execute("query-migrate")
+    ours.close()
+
+
 def test_tsubame_figures():
     with open(data("tsubame-migrate.json")) as f:
         stats = json.load(f)

@@ -23,7 +23,10 @@ class Qmp:
         self.execute("qmp_capabilities")
 
     def _read(self):
-        line = self.reader.readline()
+        try:
+            line = self.reader.readline()
+        except OSError as e:  # reset by a QEMU that exits as it starts (e.g. no BIOS), or timed out
+            raise HarnessError(f"{self.name}: QMP connection lost ({e}): QEMU exited?") from None
         if not line:
             raise HarnessError(f"{self.name}: QMP connection closed (QEMU exited?)")
         return json.loads(line)
@@ -32,7 +35,10 @@ class Qmp:
         msg = {"execute": command}
         if arguments:
             msg["arguments"] = arguments
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError as e:
+            raise HarnessError(f"{self.name}: QMP connection lost ({e}): QEMU exited?") from None
         while True:
             reply = self._read()
             if "event" in reply:
