@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side live-migration benchmark: tsubame against QEMU 7.2.
+"""Side-by-side live-migration benchmark: tsubame against QEMU 10 (its best modes).
 
 For every case of a case file (bench/cases/*.toml) and every configuration
 it names, the harness boots the same guest ELF with the same command line
@@ -21,12 +21,17 @@ CPU-seconds of the source and destination processes (utime+stime from
 before/during/after the migration.
 
 Output, in --out (default results/<date>): runs.jsonl (one JSON object per
-run, appended), table.md (medians and tsubame/QEMU ratios of this
-invocation, tsubame-auto against the best QEMU configuration, and
-tsubame's expected against its measured downtime; also printed),
-<case>-bars.png and <case>-timeline.png.
+run, appended, each with the QEMU binary and the first line of its
+--version), table.md (the QEMU version, medians and tsubame/QEMU ratios of
+this invocation, tsubame-auto against the best QEMU configuration of each
+case and figure, and tsubame's expected against its measured downtime;
+also printed), <case>-bars.png and <case>-timeline.png.
 
-Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 and a built
+QEMU configurations whose -accel this host's KVM refuses (the dirty ring)
+or that need a capability the QEMU lacks are skipped with one line each.
+
+Needs root (ip netns, tc), /dev/kvm, qemu-system-x86_64 (10; 7.2 runs with
+--qemu PATH, less what it lacks) and a built
 tsubame (cargo build --release). Exit status 0 when every run completed or
 timed out as a result; 1 with a one-line error when a run failed (QEMU or
 tsubame reported a failed migration, the destination printed no progress
@@ -60,7 +65,7 @@ from tsubame_bench.demo import tsubame_figures
 from tsubame_bench.link import ACTIVE_LINKS, Link, remove_stale_namespaces
 from tsubame_bench.procs import (CpuSampler, Proc, follow_console_socket, sh, stop_all_processes, stop_process,
                                  wait_for_path, wait_until)
-from tsubame_bench.qmp import Qmp, qemu_figures
+from tsubame_bench.qmp import Qmp, probe_qemu, qemu_figures, qemu_version_label, qemu_version_line
 from tsubame_bench.units import parse_rate, parse_size, tsubame_rate_arg
 
 MIGRATION_PORT = 47001
@@ -84,6 +89,9 @@ class VmmConfig:
     # seconds, whichever comes first (postcopy-ram is then set on both ends)
     postcopy_after_passes: int | None = None
     postcopy_after_s: float | None = None
+    # qemu: the -accel option of both QEMUs instead of -enable-kvm, e.g. "kvm,dirty-ring-size=4096"
+    # (the KVM dirty ring, which the dirty-limit capability needs)
+    accel: str | None = None
 
     def qemu_postcopy(self):
         return self.postcopy_after_passes is not None or self.postcopy_after_s is not None
@@ -146,7 +154,7 @@ def load_case_file(path):
         raise HarnessError(f"{path}: {e}") from None
     configs = {}
     for name, spec in doc.get("configs", {}).items():
-        keys = {"vmm", "args", "capabilities", "parameters", "postcopy_after_passes", "postcopy_after_s"}
+        keys = {"vmm", "args", "capabilities", "parameters", "postcopy_after_passes", "postcopy_after_s", "accel"}
         unknown = set(spec) - keys
         if unknown or spec.get("vmm") not in ("qemu", "tsubame"):
             raise HarnessError(f"{path}: config {name}: needs vmm = \"qemu\" or \"tsubame\" "
@@ -155,11 +163,16 @@ def load_case_file(path):
         if (after_passes is not None or after_s is not None) and spec["vmm"] != "qemu":
             raise HarnessError(f"{path}: config {name}: postcopy_after_* is for QEMU; tsubame takes "
                                f"args = [\"--postcopy\", \"after=N\"] or [\"--postcopy\", \"auto\"]")
+        accel = spec.get("accel")
+        if accel is not None and (spec["vmm"] != "qemu" or not str(accel).startswith("kvm")):
+            raise HarnessError(f"{path}: config {name}: accel is QEMU's -accel option and must name kvm "
+                               f"(e.g. \"kvm,dirty-ring-size=4096\"), got {accel!r} for vmm {spec['vmm']}")
         configs[name] = VmmConfig(name=name, vmm=spec["vmm"], args=[str(a) for a in spec.get("args", [])],
                                   capabilities=list(spec.get("capabilities", [])),
                                   parameters=dict(spec.get("parameters", {})),
                                   postcopy_after_passes=None if after_passes is None else int(after_passes),
-                                  postcopy_after_s=None if after_s is None else float(after_s))
+                                  postcopy_after_s=None if after_s is None else float(after_s),
+                                  accel=None if accel is None else str(accel))
     defaults = dict(CASE_DEFAULTS)
     defaults["configs"] = list(configs)
     defaults.update(doc.get("defaults", {}))
@@ -241,7 +254,7 @@ class RunResult:
     destination_progress_lines: int = 0
     guest_banner_source: str | None = None
     # post-copy: when the phase began and how long it lasted (from migration start), the guest's ops/s
-    # at the destination meanwhile, and fault figures (tsubame: service latency; QEMU 7.2 exposes
+    # at the destination meanwhile, and fault figures (tsubame: service latency; QEMU (7.2 and 10) exposes
     # only the vCPUs' total blocked time, postcopy-blocktime)
     postcopy_start_s: float | None = None
     postcopy_duration_s: float | None = None
@@ -398,9 +411,10 @@ def new_result(case, config, rep, env):
                      cmdline=guest_cmdline(case, env.tsc_khz), status="failed")
 
 
-def qemu_command(env, case, tag, incoming):
+def qemu_command(env, case, config, tag, incoming):
+    accel = ["-accel", config.accel] if config.accel else ["-enable-kvm"]
     cmd = [env.qemu, "-name", f"tsb-{tag},debug-threads=on",  # names the vCPU thread "CPU 0/KVM"
-           "-enable-kvm", "-cpu", "host,-arch-capabilities", "-m", case.memory, "-nodefaults", "-nographic",
+           *accel, "-cpu", "host,-arch-capabilities", "-m", case.memory, "-nodefaults", "-nographic",
            "-kernel", env.guest_elf, "-append", guest_cmdline(case, env.tsc_khz),
            "-chardev", f"socket,id=d,path={env.sock_dir}/{tag}-con.sock,server=on,wait=off",
            "-device", "isa-debugcon,iobase=0xe9,chardev=d",
@@ -415,7 +429,7 @@ def qemu_migration_settings(case, config):
         names.append("postcopy-ram")
     caps = [{"capability": c, "state": True} for c in names]
     bits = case.bandwidth_bits()
-    # QEMU 7.2's default max-bandwidth is 128 MiB/s: always set it; "unlimited" is 1 TB/s.
+    # QEMU's default max-bandwidth is 128 MiB/s (7.2 and 10): always set it; "unlimited" is 1 TB/s.
     params = {"max-bandwidth": int(bits / 8) if bits else 10**12, "downtime-limit": case.downtime_limit_ms}
     params.update(config.parameters)
     return caps, params
@@ -432,9 +446,9 @@ def run_qemu(case, config, rep, env, link, run_tag):
     uri = f"tcp:{link.dst_ip}:{MIGRATION_PORT}"
     src = dst = src_qmp = dst_qmp = None
     try:
-        dst = Proc(f"{what} QEMU destination", link.netns_exec(link.dst_ns) + qemu_command(env, case, "dst", True),
+        dst = Proc(f"{what} QEMU destination", link.netns_exec(link.dst_ns) + qemu_command(env, case, config, "dst", True),
                    os.path.join(env.log_dir, f"{run_tag}-dst.log"))
-        src = Proc(f"{what} QEMU source", link.netns_exec(link.src_ns) + qemu_command(env, case, "src", False),
+        src = Proc(f"{what} QEMU source", link.netns_exec(link.src_ns) + qemu_command(env, case, config, "src", False),
                    os.path.join(env.log_dir, f"{run_tag}-src.log"))
         dst_log = follow_console_socket(f"{env.sock_dir}/dst-con.sock", dst)
         src_log = follow_console_socket(f"{env.sock_dir}/src-con.sock", src)
@@ -444,6 +458,7 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if caps:
                 qmp.execute("migrate-set-capabilities", capabilities=caps)
             qmp.execute("migrate-set-parameters", **params)
+            check_qemu_settings(qmp, caps, params)
         if config.qemu_postcopy():
             # the vCPUs' time blocked on missing pages, read back from the destination
             dst_qmp.execute("migrate-set-capabilities",
@@ -533,6 +548,18 @@ def run_qemu(case, config, rep, env, link, run_tag):
             if p is not None:
                 p.wait(5)
                 stop_process(p)
+
+
+def check_qemu_settings(qmp, caps, params):
+    """Reads the capabilities and parameters back (query-migrate-capabilities, query-migrate-parameters):
+    a configuration QEMU took other than asked would measure something else."""
+    on = {c["capability"] for c in qmp.execute("query-migrate-capabilities") if c["state"]}
+    off = [c["capability"] for c in caps if c["capability"] not in on]
+    got = qmp.execute("query-migrate-parameters")
+    differ = [f"{k}={got.get(k)!r} (asked {v!r})" for k, v in params.items() if got.get(k) != v]
+    if off or differ:
+        raise HarnessError(f"{qmp.name}: QEMU did not take the configuration: "
+                           + "; ".join(([f"capabilities not on: {', '.join(off)}"] if off else []) + differ))
 
 
 def qemu_postcopy_due(config, reply, t_start):
@@ -743,30 +770,68 @@ def ratio_rows(runs):
     return rows
 
 
+# Figures where more is better (the guest's throughput); for every other figure less is.
+HIGHER_IS_BETTER = {"ops_per_sec_before", "ops_per_sec_during", "ops_per_sec_after", "ops_per_sec_postcopy"}
+
+
+def best_qemu(summaries, key):
+    """(name, median) of the best QEMU configuration for one figure: of the QEMU configurations with a
+    completed run and a median for it, the lowest (the highest for ops/s; the first listed on a tie), or
+    (None, None) when none has one. Each figure has its own best: the fastest configuration need not
+    stop the guest the shortest time."""
+    candidates = [(name, s[key]) for name, s in summaries.items()
+                  if s["vmm"] == "qemu" and s["completed"] and s[key] is not None]
+    if not candidates:
+        return None, None
+    pick = max if key in HIGHER_IS_BETTER else min
+    return pick(candidates, key=lambda c: c[1])
+
+
 def best_qemu_rows(runs):
-    """[(case, best QEMU config or None, figures)] for each case that ran tsubame-auto (no flags): its median total
-    against the best QEMU configuration's (the lowest median total among those with a completed run), its VMM
-    downtime against qemu-default's, its own guest downtime, and its total against the better of tsubame-4096 and
-    tsubame-spp128 (whole pages, 128-byte sub-pages) run alongside, as issue 21's targets put them."""
+    """[(case, figures)] for each case that ran tsubame-auto (no flags): for every figure of RATIO_METRICS
+    `best[key]` = {config, qemu, tsubame, ratio}: the best completing QEMU configuration of that figure
+    (best_qemu), its median, tsubame-auto's median and tsubame-auto ÷ best QEMU; tsubame-auto's completed
+    runs; and its total against the better of tsubame-4096 and tsubame-spp128 (whole pages, 128-byte
+    sub-pages) run alongside, as issue 21's targets put it."""
     rows = []
     for case, configs in group_runs(runs).items():
         summaries = {name: summarize(rs) for name, rs in configs.items()}
         auto = summaries.get("tsubame-auto")
         if auto is None:
             continue
-        qemu = {name: s for name, s in summaries.items() if s["vmm"] == "qemu" and s["completed"]}
-        best = min(qemu, key=lambda name: qemu[name]["total_time_s"], default=None)
-        default = summaries.get("qemu-default")
+        best = {}
+        for key in RATIO_METRICS:
+            name, value = best_qemu(summaries, key)
+            best[key] = {"config": name, "qemu": value, "tsubame": auto[key], "ratio": ratio(auto[key], value)}
         fixed = [summaries[n]["total_time_s"] for n in ("tsubame-4096", "tsubame-spp128")
                  if n in summaries and summaries[n]["completed"]]
-        rows.append((case, best, {
+        rows.append((case, {
             "completed": f"{auto['completed']}/{auto['runs']}",
-            "total": ratio(auto["total_time_s"], qemu[best]["total_time_s"]) if best else None,
-            "downtime": ratio(auto["vmm_downtime_ms"], default["vmm_downtime_ms"]) if default else None,
-            "guest_downtime_ms": auto["guest_downtime_ms"],
+            "best": best,
             "granularity": ratio(auto["total_time_s"], min(fixed)) if len(fixed) == 2 else None,
         }))
     return rows
+
+
+def qemu_versions(runs):
+    """The distinct `qemu_version` lines of the QEMU runs, in first-seen order; None for runs recorded
+    without one (runs.jsonl written before the harness recorded it, read back with --table-from)."""
+    versions = []
+    for r in runs:
+        if r["vmm"] == "qemu" and r.get("qemu_version") not in versions:
+            versions.append(r.get("qemu_version"))
+    return versions
+
+
+def qemu_label(runs):
+    """What the tables call the QEMU they compare with: "QEMU 10.0.2", "QEMU (version unknown)" when a
+    run did not record it (never plain "QEMU": the figures of 7.2 and 10 differ twofold), or several
+    joined with "and" when the runs mix versions; "QEMU (none ran)" for tsubame's runs alone."""
+    labels = []
+    for version in qemu_versions(runs):
+        if qemu_version_label(version) not in labels:
+            labels.append(qemu_version_label(version))
+    return " and ".join(labels) or "QEMU (none ran)"
 
 
 def expected_rows(runs):
@@ -796,8 +861,18 @@ def fmt(value, scale=1, pattern="{:.2f}"):
 
 
 def make_table(runs):
-    """Markdown: one row per case and config with medians, then tsubame/QEMU ratios per case."""
-    out = ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
+    """Markdown: which QEMU, one row per case and config with medians, then tsubame/QEMU ratios per case,
+    then tsubame-auto against the best QEMU configuration of each case and figure."""
+    label = qemu_label(runs)
+    out = []
+    for version in qemu_versions(runs):
+        out.append(f"Against {qemu_version_label(version)}: "
+                   + (f"`qemu-system-x86_64 --version`: {version}" if version else
+                      "these QEMU runs were recorded without `qemu_version` (runs.jsonl from before the harness "
+                      "recorded it)"))
+    if out:
+        out.append("")
+    out += ["| case | config | completed | converged | " + " | ".join(t for t, _, _, _ in METRICS) + " |",
            "|---|---|---|---|" + "---|" * len(METRICS)]
     for case, configs in group_runs(runs).items():
         for config, rs in configs.items():
@@ -808,7 +883,7 @@ def make_table(runs):
             out.append(f"| {case} | {config} | {s['completed']}/{s['runs']} | {s['converged']}/{s['runs']} | "
                        + " | ".join(cells) + " |")
     titles = {key: title.replace(" (s)", "").replace(" (ms)", "") for title, key, _, _ in METRICS}
-    out += ["", "Ratios tsubame / QEMU of the medians over completed runs (below 1: tsubame lower; "
+    out += ["", f"Ratios tsubame / {label} of the medians over completed runs (below 1: tsubame lower; "
             "for Mops/s during, above 1: the guest ran faster under tsubame; –: a side has no completed run):", "",
             "| case | tsubame | QEMU | " + " | ".join(titles[k] for k in RATIO_METRICS) + " |",
             "|---|---|---|" + "---|" * len(RATIO_METRICS)]
@@ -816,15 +891,25 @@ def make_table(runs):
         out.append(f"| {case} | {tname} | {qname} | " + " | ".join(fmt(ratios[k]) for k in RATIO_METRICS) + " |")
     best = best_qemu_rows(runs)
     if best:
-        out += ["", "tsubame-auto (no flags) against the best QEMU configuration of each case (lowest median total of "
-                "those that completed), its VMM downtime against qemu-default's, and its total against the better of "
-                "tsubame-4096 and tsubame-spp128:", "",
-                "| case | best QEMU | tsubame-auto completed | total ÷ best QEMU | VMM downtime ÷ qemu-default | "
-                "guest downtime (ms) | total ÷ better of 4096/128 |", "|---|---|---|---|---|---|---|"]
-        for case, name, f in best:
-            out.append(f"| {case} | {name or 'none completed'} | {f['completed']} | {fmt(f['total'])} | "
-                       f"{fmt(f['downtime'])} | {fmt(f['guest_downtime_ms'], 1, '{:.0f}')} | "
-                       f"{fmt(f['granularity'])} |")
+        units = {key: (title, scale, pattern) for title, key, scale, pattern in METRICS}
+        out += ["", f"tsubame-auto (no flags) against the best {label} configuration of each case and figure: of "
+                "the QEMU configurations with a completed run, the one with the lowest median (the highest for "
+                "Mops/s and kops/s), named; ÷: tsubame-auto's median ÷ that one's (–: a side has no completed run):",
+                "", "| case | figure | best QEMU | best QEMU's median | tsubame-auto's median | tsubame-auto ÷ best QEMU |",
+                "|---|---|---|---|---|---|"]
+        for case, f in best:
+            for key, b in f["best"].items():
+                if b["qemu"] is None and b["tsubame"] is None:
+                    continue  # a figure neither side has here (post-copy figures of a pre-copy case)
+                title, scale, pattern = units[key]
+                out.append(f"| {case} | {title} | {b['config'] or 'none completed'} | {fmt(b['qemu'], scale, pattern)} "
+                           f"| {fmt(b['tsubame'], scale, pattern)} ({f['completed']} completed) | {fmt(b['ratio'])} |")
+        granularity = [(case, f) for case, f in best if f["granularity"] is not None]
+        if granularity:
+            out += ["", "tsubame-auto's median total against the better of tsubame-4096 and tsubame-spp128:", "",
+                    "| case | tsubame-auto completed | total ÷ better of 4096/128 |", "|---|---|---|"]
+            for case, f in granularity:
+                out.append(f"| {case} | {f['completed']} | {fmt(f['granularity'])} |")
     expected = expected_rows(runs)
     if expected:
         within = sum(f["within"] for _, _, f in expected)
@@ -913,7 +998,7 @@ def plot_case(case, runs, out_dir):
         ax.set_title(title, fontsize=10)
         ax.margins(y=0.25)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{case}: medians over completed runs (tsubame vs QEMU 7.2)", fontsize=11)
+    fig.suptitle(f"{case}: medians over completed runs (tsubame vs {qemu_label(runs)})", fontsize=11)
     fig.tight_layout()
     bars_path = os.path.join(out_dir, f"{case}-bars.png")
     fig.savefig(bars_path, dpi=110)
@@ -992,7 +1077,7 @@ def check_prerequisites(args):
     if not os.path.exists(args.tsubame):
         raise HarnessError(f"{args.tsubame} not found: run `cargo build --release` first")
     if not shutil.which(args.qemu):
-        raise HarnessError(f"{args.qemu} not found: apt-get install qemu-system-x86")
+        raise HarnessError(f"{args.qemu} not found: scripts/setup.sh installs QEMU 10")
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
@@ -1071,11 +1156,24 @@ def run_cases(args, out_dir):
         sh(args.tsubame, "guest-elf", elf)
         env = Env(tsubame=args.tsubame, qemu=args.qemu, guest_elf=elf, tsc_khz=read_tsc_khz(args.tsubame),
                   sock_dir=work, log_dir=log_dir)
-        print(f"compare: tsc_khz={env.tsc_khz}; logs in {log_dir}", file=sys.stderr)
+        # Every run records the QEMU it was compared with (also a tsubame run: its ratios are against it).
+        # An invocation of tsubame configurations alone needs no QEMU (bench/device/stop_check.sh passes
+        # --qemu /bin/true): its runs record none.
+        selected = [configs[n] for c in cases for n in c.configs if not args.configs or n in args.configs.split(",")]
+        try:
+            qemu_version = qemu_version_line(args.qemu)
+        except HarnessError:
+            if any(config.vmm == "qemu" for config in selected):
+                raise
+            qemu_version = None
+        print(f"compare: tsc_khz={env.tsc_khz}; {args.qemu}: {qemu_version or 'no QEMU version (no QEMU run)'}; "
+              f"logs in {log_dir}", file=sys.stderr)
+        skipped = qemu_configs_to_skip(args.qemu, qemu_version, selected)
         runs, failures = [], []
         invocation = datetime.datetime.now().isoformat(timespec="seconds")
         for case in cases:
-            names = [n for n in case.configs if not args.configs or n in args.configs.split(",")]
+            names = [n for n in case.configs if (not args.configs or n in args.configs.split(","))
+                     and n not in skipped]
             reps = args.repetitions or case.repetitions
             for rep in range(1, reps + 1):
                 for name in run_order(names, configs, rep):
@@ -1093,6 +1191,8 @@ def run_cases(args, out_dir):
                     record = dataclasses.asdict(result)
                     record["invocation"] = invocation
                     record["case_file"] = args.cases
+                    record["qemu"] = shutil.which(args.qemu) or args.qemu
+                    record["qemu_version"] = qemu_version
                     with open(os.path.join(out_dir, "runs.jsonl"), "a") as f:
                         f.write(json.dumps(record) + "\n")
                     runs.append(record)
@@ -1100,6 +1200,32 @@ def run_cases(args, out_dir):
         return runs, failures
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def qemu_configs_to_skip(qemu, version, configs):
+    """{name: why} for the QEMU configurations this QEMU cannot run here, each said in one line on stderr:
+    one whose -accel this host's KVM refuses (a dirty ring), or one that needs a migration capability this
+    QEMU lacks (dirty-limit before QEMU 8.1, with --qemu of a 7.2). Each distinct -accel is probed once,
+    on a QEMU without a machine (about a second)."""
+    probes, skipped = {}, {}
+    for config in configs:
+        if config.vmm != "qemu" or config.name in skipped:
+            continue
+        if config.accel not in probes:
+            probes[config.accel] = probe_qemu(qemu, config.accel)
+        offered, error = probes[config.accel]
+        if error is not None and config.accel is None:
+            raise HarnessError(f"{qemu} does not start under KVM (-accel kvm -M none): {error}")
+        if error is not None:
+            skipped[config.name] = f"this host refuses -accel {config.accel or 'kvm'}: {error}"
+        else:
+            missing = [c for c in config.capabilities if c not in offered]
+            if missing:
+                skipped[config.name] = (f"{qemu_version_label(version)} ({qemu}) offers no migration "
+                                        f"capability {', '.join(missing)}")
+        if config.name in skipped:
+            print(f"compare: skipping {config.name}: {skipped[config.name]}", file=sys.stderr, flush=True)
+    return skipped
 
 
 def run_order(names: list[str], configs: dict, rep: int) -> list[str]:

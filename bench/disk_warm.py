@@ -26,7 +26,7 @@ Configurations (`--configs`):
                         (--no-warm-cache): the destination starts cold;
   tsubame-warm          the default: the cache's block list goes ahead and
                         the destination fills its cache from storage;
-  qemu                  QEMU 7.2 on the same export (virtio-blk-pci,
+  qemu                  QEMU (10, as scripts/setup.sh installs it) on the same export (virtio-blk-pci,
                         disable-modern=on, cache=none: QEMU keeps no cache
                         of an NBD disk).
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from tsubame_bench.console import parse_progress
+from tsubame_bench.qmp import qemu_version_label, qemu_version_line
 
 
 
@@ -78,7 +79,7 @@ def main():
     print("| VMM | ring-3 store bandwidth (GB/s) |")
     print("|---|---|")
     print(f"| tsubame | {ts:.2f} |")
-    print(f"| QEMU 7.2 | {qm:.2f} |")
+    print(f"| {qemu_version_label(qemu_version_line('qemu-system-x86_64'))} | {qm:.2f} |")
     print(f"| ratio tsubame/QEMU | {ts / qm:.2f} |")
 
 

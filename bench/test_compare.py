@@ -8,7 +8,8 @@ bench/testdata/:
   {qemu,tsubame}-{src,dst}-console.txt  guest lines of a smoke run (512M kv 1gbit) as the harness
                                         timestamped them, in seconds from migration start
   smoke-runs.jsonl                      the runs.jsonl of that same run
-  qemu-query-migrate.json               QEMU 7.2's final query-migrate reply of it
+  qemu-query-migrate.json               QEMU 7.2's final query-migrate reply of it (recorded before the
+                                        harness recorded `qemu_version`: its table says "version unknown")
   tsubame-migrate.json                  `tsubame migrate --json` statistics of it
   qemu-proc-stat.txt, qemu-task-stats.txt  /proc/PID/stat and /proc/PID/task/*/stat of a QEMU
   ratio-runs.jsonl                      hand-made runs with round numbers, for the medians and ratios
@@ -66,11 +67,108 @@ def test_smoke_case_file():
     assert compare.guest_cmdline(case, 2599998) == "workload=kv wss=64M tsc_khz=2599998"
 
 
+QEMU_BEST_MODES = ["qemu-default", "qemu-xbzrle", "qemu-multifd4", "qemu-multifd4-zstd", "qemu-auto-converge",
+                   "qemu-dirty-limit", "qemu-postcopy-preempt-after1", "qemu-postcopy-preempt-now"]
+CASE_FILES = ["smoke.toml", "paper.toml", "postcopy.toml", "autoconverge.toml", "idle.toml"]
+
+
+def test_every_case_file_has_qemu_best_modes():
+    """The same eight QEMU configurations, alike, in every case file: the best QEMU of a figure is chosen among
+    them, so a file with fewer (or a mode set up differently) would compare with a weaker QEMU."""
+    expected = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))[1]
+    for name in CASE_FILES:
+        cases, configs = compare.load_case_file(os.path.join(HERE, "cases", name))
+        qemu = [n for n, c in configs.items() if c.vmm == "qemu"]
+        assert qemu == QEMU_BEST_MODES, name
+        assert all(configs[n] == expected[n] for n in qemu), name
+        assert all(set(QEMU_BEST_MODES) <= set(c.configs) and "tsubame-auto" in c.configs for c in cases), name
+    c = expected
+    assert c["qemu-default"].capabilities == [] and c["qemu-default"].parameters == {}
+    assert c["qemu-multifd4"].parameters == {"multifd-channels": 4}
+    assert c["qemu-multifd4-zstd"].parameters == {"multifd-channels": 4, "multifd-compression": "zstd"}
+    assert c["qemu-auto-converge"].capabilities == ["auto-converge"]
+    assert c["qemu-dirty-limit"].accel == "kvm,dirty-ring-size=4096"
+    assert c["qemu-dirty-limit"].parameters == {"x-vcpu-dirty-limit-period": 1000, "vcpu-dirty-limit": 50}
+    for name, after in (("qemu-postcopy-preempt-after1", (1, None)), ("qemu-postcopy-preempt-now", (None, 0))):
+        assert c[name].capabilities == ["postcopy-preempt"] and not any("multifd" in k for k in c[name].parameters)
+        assert (c[name].postcopy_after_passes, c[name].postcopy_after_s) == after
+
+
+def test_accel_option(tmp_path):
+    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
+    env = compare.Env(tsubame="tsubame", qemu="qemu-system-x86_64", guest_elf="g.elf", tsc_khz=1, sock_dir="/s",
+                      log_dir="/l")
+    ring = compare.qemu_command(env, cases[0], configs["qemu-dirty-limit"], "src", False)
+    assert ring[ring.index("-accel") + 1] == "kvm,dirty-ring-size=4096" and "-enable-kvm" not in ring
+    plain = compare.qemu_command(env, cases[0], configs["qemu-default"], "src", False)
+    assert "-enable-kvm" in plain and "-accel" not in plain
+    path = tmp_path / "c.toml"
+    for line in ('t = { vmm = "tsubame", accel = "kvm,dirty-ring-size=4096" }',
+                 'q = { vmm = "qemu", accel = "tcg" }'):
+        path.write_text(f'[configs]\n{line}\n[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
+        with pytest.raises(tsubame_bench.HarnessError, match="accel is QEMU's -accel option"):
+            compare.load_case_file(str(path))
+
+
+def test_skipped_qemu_configs(monkeypatch, capsys):
+    """A configuration whose -accel the host's KVM refuses, or that needs a capability the QEMU lacks (a 7.2
+    given with --qemu), is skipped with one line each; a QEMU that does not start under plain KVM is an error."""
+    _, configs = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
+    caps_10 = {"xbzrle", "multifd", "auto-converge", "dirty-limit", "postcopy-ram", "postcopy-preempt"}
+    probes = []
+
+    def refused_ring(qemu, accel=None):
+        probes.append(accel)
+        if accel:
+            return None, "qemu-system-x86_64: -accel kvm,dirty-ring-size=4096: KVM dirty ring not supported"
+        return caps_10, None
+    monkeypatch.setattr(compare, "probe_qemu", refused_ring)
+    version_10 = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)"
+    skipped = compare.qemu_configs_to_skip("qemu-system-x86_64", version_10, list(configs.values()) * 2)
+    assert list(skipped) == ["qemu-dirty-limit"]
+    assert sorted(probes, key=str) == [None, "kvm,dirty-ring-size=4096"]  # each -accel once
+    assert capsys.readouterr().err.splitlines() == [
+        "compare: skipping qemu-dirty-limit: this host refuses -accel kvm,dirty-ring-size=4096: "
+        "qemu-system-x86_64: -accel kvm,dirty-ring-size=4096: KVM dirty ring not supported"]
+    # QEMU 7.2 takes the dirty ring but has no dirty-limit (QEMU 8.1 added it)
+    monkeypatch.setattr(compare, "probe_qemu", lambda qemu, accel=None: (caps_10 - {"dirty-limit"}, None))
+    version = "QEMU emulator version 7.2.19 (Debian 1:7.2+dfsg-7+deb12u18)"
+    skipped = compare.qemu_configs_to_skip("qemu-7.2", version, list(configs.values()))
+    assert list(skipped) == ["qemu-dirty-limit"]
+    assert capsys.readouterr().err.splitlines() == [
+        "compare: skipping qemu-dirty-limit: QEMU 7.2.19 (qemu-7.2) offers no migration capability dirty-limit"]
+    monkeypatch.setattr(compare, "probe_qemu", lambda qemu, accel=None: (None, "could not access KVM kernel module"))
+    with pytest.raises(tsubame_bench.HarnessError, match="does not start under KVM"):
+        compare.qemu_configs_to_skip("qemu", version, [configs["qemu-default"]])
+
+
+QEMU_RUNS = shutil.which("qemu-system-x86_64") is not None and os.access("/dev/kvm", os.R_OK | os.W_OK)
+
+
+@pytest.mark.skipif(not QEMU_RUNS, reason="needs qemu-system-x86_64 and /dev/kvm")
+def test_probe_this_qemu():
+    line = qmp.qemu_version_line("qemu-system-x86_64")
+    assert line.startswith("QEMU emulator version ") and qmp.qemu_version_label(line).startswith("QEMU ")
+    offered, error = qmp.probe_qemu("qemu-system-x86_64")
+    assert error is None and {"xbzrle", "multifd", "auto-converge", "postcopy-ram"} <= offered
+    offered, error = qmp.probe_qemu("qemu-system-x86_64", "kvm,dirty-ring-size=3")
+    assert offered is None and "dirty-ring-size" in error
+
+
+def test_version_label():
+    assert qmp.qemu_version_label("QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)") \
+        == "QEMU 10.0.2"
+    assert qmp.qemu_version_label(None) == "QEMU (version unknown)"
+    assert qmp.qemu_version_label("qemu, some build") == "QEMU (version unknown)"
+    with pytest.raises(tsubame_bench.HarnessError, match="printed no QEMU version"):
+        qmp.qemu_version_line("true")
+
+
 def test_paper_case_file():
     cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "paper.toml"))
-    assert {"qemu-default", "qemu-xbzrle", "qemu-multifd-zstd", "qemu-autoconverge", "tsubame-auto"} <= set(configs)
+    assert set(QEMU_BEST_MODES) | {"tsubame-auto"} <= set(configs)
     assert configs["qemu-xbzrle"].parameters["xbzrle-cache-size"] == 512 * 2**20
-    assert configs["qemu-multifd-zstd"].capabilities == ["multifd"]
+    assert configs["qemu-multifd4-zstd"].capabilities == ["multifd"]
     workloads = {(c.workload, c.memory, c.link) for c in cases}
     assert {("fill-zero", "4G", "1gbit"), ("fill-random", "4G", "1gbit"), ("kv", "4G", "1gbit"),
             ("kv", "2G", "10gbit")} <= workloads
@@ -107,17 +205,17 @@ def test_postcopy_case_file():
     workloads = {(c.workload, c.memory, c.link, tuple(c.args.items())) for c in cases}
     assert {("fill-random", "4G", "1gbit", (("wss", "3000M"),)),
             ("sparse", "1G", "1gbit", (("wss", "768M"), ("rate", "40")))} <= workloads
-    qemu = configs["qemu-postcopy-1pass"]
+    qemu = configs["qemu-postcopy-preempt-after1"]
     assert qemu.qemu_postcopy() and qemu.postcopy_after_passes == 1
     caps, _ = compare.qemu_migration_settings(cases[0], qemu)
-    assert caps == [{"capability": "postcopy-ram", "state": True}]
+    assert caps == [{"capability": "postcopy-preempt", "state": True}, {"capability": "postcopy-ram", "state": True}]
     assert configs["tsubame-auto"].args == []  # the default is --postcopy auto
     assert configs["tsubame-postcopy-after1"].args == ["--postcopy", "after=1"]
     # the switch: after the first pass is done (dirty-sync-count 2), or at once
     t0 = compare.time.monotonic()
     assert not compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 1}}, t0)
     assert compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 2}}, t0)
-    assert compare.qemu_postcopy_due(configs["qemu-postcopy-at-once"], {}, t0)
+    assert compare.qemu_postcopy_due(configs["qemu-postcopy-preempt-now"], {}, t0)
 
 
 def test_postcopy_keys_are_for_qemu(tmp_path):
@@ -131,7 +229,7 @@ def test_postcopy_keys_are_for_qemu(tmp_path):
 def test_qemu_settings_of_a_link_case():
     cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "paper.toml"))
     case = next(c for c in cases if c.link == "10gbit")
-    caps, params = compare.qemu_migration_settings(case, configs["qemu-multifd-zstd"])
+    caps, params = compare.qemu_migration_settings(case, configs["qemu-multifd4-zstd"])
     assert caps == [{"capability": "multifd", "state": True}]
     assert params == {"max-bandwidth": 1_250_000_000, "downtime-limit": 300, "multifd-channels": 4,
                       "multifd-compression": "zstd"}
@@ -206,6 +304,19 @@ def test_qemu_figures():
     assert fig["iterations"] == run["vmm_stats"]["ram"]["dirty-sync-count"]
     assert fig["vmm_bytes"] == run["vmm_stats"]["ram"]["transferred"]
     assert qmp.qemu_figures({"status": "failed", "error-desc": "boom"})["error"] == "boom"
+
+
+def test_qmp_connection_lost_is_a_harness_error():
+    """A QEMU that exits as it starts (a 7.2 that found no BIOS reset the connection) is a failed run with a
+    one-line error, not a traceback that ends the harness."""
+    import socket
+    ours, theirs = socket.socketpair()
+    client = qmp.Qmp.__new__(qmp.Qmp)
+    client.name, client.sock, client.reader = "src", ours, ours.makefile("rb")
+    theirs.close()
+    with pytest.raises(tsubame_bench.HarnessError, match="src: QMP connection (lost|closed)"):
+        client.execute("query-migrate")
+    ours.close()
 
 
 def test_tsubame_figures():
@@ -286,9 +397,12 @@ def test_table_text():
     assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | 2.00 |"
             in table)
     assert "| b | tsubame-auto | qemu-default | – |" in table
-    # the default against the best QEMU configuration (qemu-xbzrle's median 9 s) and qemu-default's downtime
-    assert "| a | qemu-xbzrle | 2/3 | 0.56 | 0.50 | 200 | – |" in table
-    assert "| b | none completed | 1/1 | – | – | 450 | – |" in table
+    # the default against the best QEMU configuration of each figure
+    assert "| a | total (s) | qemu-xbzrle | 9.00 | 5.00 (2/3 completed) | 0.56 |" in table
+    assert "| a | VMM downtime (ms) | qemu-xbzrle | 20 | 150 (2/3 completed) | 7.50 |" in table
+    assert "| a | MiB on wire | qemu-default | 1000 | 600 (2/3 completed) | 0.60 |" in table
+    assert "| b | total (s) | none completed | – | 30.00 (1/1 completed) | – |" in table
+    assert "post-copy" not in table.split("tsubame-auto (no flags) against")[1]  # no side has that figure here
 
 
 def test_run_order_rotates_each_vmm_group():
@@ -303,12 +417,60 @@ def test_run_order_rotates_each_vmm_group():
     assert all(sorted(order) == sorted(names) for order in orders)
 
 
+def test_table_names_the_qemu_version():
+    """A table says which QEMU it compares with (`qemu-system-x86_64 --version` as recorded in each run); runs
+    recorded without it (older runs.jsonl read back with --table-from) are labelled "QEMU (version unknown)"."""
+    runs = compare.load_runs(data("ratio-runs.jsonl"))  # recorded without qemu_version
+    old = compare.make_table(runs)
+    assert old.startswith("Against QEMU (version unknown): these QEMU runs were recorded without `qemu_version`")
+    assert "Ratios tsubame / QEMU (version unknown) of the medians" in old
+    assert "against the best QEMU (version unknown) configuration" in old
+    line = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)"
+    new = compare.make_table([dict(r, qemu_version=line) for r in runs])
+    assert new.startswith(f"Against QEMU 10.0.2: `qemu-system-x86_64 --version`: {line}\n")
+    assert "Ratios tsubame / QEMU 10.0.2 of the medians" in new and "version unknown" not in new
+    # runs of two QEMUs read back together: both named, never plain "QEMU"
+    mixed = [dict(r, qemu_version=line) if r["case"] == "a" else r for r in runs]
+    assert compare.qemu_label(mixed) == "QEMU 10.0.2 and QEMU (version unknown)"
+    assert compare.make_table(mixed).count("\nAgainst ") == 1  # two header lines: the first and one more
+    # an invocation of tsubame configurations alone (bench/device/stop_check.sh, --qemu /bin/true)
+    assert compare.qemu_label([r for r in runs if r["vmm"] == "tsubame"]) == "QEMU (none ran)"
+
+
+def test_best_qemu_per_figure():
+    """Each figure has its own best QEMU configuration: in case a qemu-xbzrle (one run) has the lower total and
+    VMM downtime and lets the guest run faster, qemu-default sends fewer bytes and costs less CPU; on a tie (guest
+    downtime 320 ms both) the first listed. Ratios are tsubame-auto's median against that configuration's."""
+    runs = compare.load_runs(data("ratio-runs.jsonl"))
+    rows = dict(compare.best_qemu_rows(runs))
+    best = rows["a"]["best"]
+    picks = {key: b["config"] for key, b in best.items()}
+    assert picks == {"total_time_s": "qemu-xbzrle", "time_to_destination_s": "qemu-default",
+                     "vmm_downtime_ms": "qemu-xbzrle", "guest_downtime_ms": "qemu-default",
+                     "bytes_on_wire": "qemu-default", "cpu_source_s": "qemu-default",
+                     "cpu_source_migration_s": "qemu-default", "cpu_destination_s": "qemu-default",
+                     "ops_per_sec_during": "qemu-xbzrle", "ops_per_sec_postcopy": None}
+    assert best["total_time_s"] == {"config": "qemu-xbzrle", "qemu": 9.0, "tsubame": 5.0, "ratio": pytest.approx(5 / 9)}
+    assert best["vmm_downtime_ms"]["ratio"] == pytest.approx(150 / 20)
+    assert best["ops_per_sec_during"]["qemu"] == 1.2e6  # the highest: more is better
+    assert best["bytes_on_wire"]["ratio"] == pytest.approx(0.6)
+    assert rows["a"]["completed"] == "2/3"
+    # QEMU never completed case b: no best, no ratio
+    assert all(b["config"] is None and b["ratio"] is None for b in rows["b"]["best"].values())
+    # a QEMU configuration that only timed out is never the best, however low its figures
+    runs.append(dict(runs[0], config="qemu-dirty-limit", status="timeout", total_time_s=1.0, vmm_downtime_ms=1))
+    assert dict(compare.best_qemu_rows(runs))["a"]["best"]["total_time_s"]["config"] == "qemu-xbzrle"
+    # tsubame configurations are never "best QEMU"
+    summaries = {n: compare.summarize(rs) for n, rs in compare.group_runs(runs)["a"].items()}
+    assert compare.best_qemu(summaries, "total_time_s") == ("qemu-xbzrle", 9.0)
+
+
 def test_auto_against_the_better_fixed_granularity():
     runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
     auto = [r for r in runs if r["config"] == "tsubame-auto"]
     for name, total in (("tsubame-4096", 8.0), ("tsubame-spp128", 4.0)):
         runs += [dict(r, config=name, total_time_s=total) for r in auto]
-    [(_, _, figures)] = compare.best_qemu_rows(runs)
+    [(_, figures)] = compare.best_qemu_rows(runs)
     assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 

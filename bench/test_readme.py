@@ -540,8 +540,9 @@ def test_compare_with_qemu(sh):
     out_dir = os.path.join(sh.tmp, "results")
     # Run from the repository root, as README's relative paths say, with two additions: --out a
     # directory of the test's (the default is results/<date> in the checkout), and --configs with
-    # one configuration of each VMM (smoke.toml's two others, tsubame at a fixed granularity,
-    # would double the time; the pair is what the tsubame/QEMU table compares).
+    # one configuration of each VMM (smoke.toml's nine others, QEMU's other modes and tsubame at
+    # fixed granularities, would take five times as long; the pair is what the tsubame/QEMU table
+    # compares).
     adapted = (strip_comment(cmd) + f" --out {shlex.quote(out_dir)} --configs qemu-default,tsubame-auto")
     pid, out = sh.run(cmd, adapted=adapted, cwd=ROOT, timeout=480)
     runs = [json.loads(line) for line in read(os.path.join(out_dir, "runs.jsonl")).splitlines() if line.strip()]

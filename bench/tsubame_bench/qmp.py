@@ -1,6 +1,9 @@
-"""A minimal QMP client (QEMU's JSON control protocol) and the figures
-of QEMU's final `query-migrate` reply."""
+"""A minimal QMP client (QEMU's JSON control protocol), the figures
+of QEMU's final `query-migrate` reply, QEMU's version line and a probe of
+what a QEMU binary offers for migration."""
 import json
+import re
+import subprocess
 
 from . import HarnessError
 from .procs import connect_unix
@@ -20,7 +23,10 @@ class Qmp:
         self.execute("qmp_capabilities")
 
     def _read(self):
-        line = self.reader.readline()
+        try:
+            line = self.reader.readline()
+        except OSError as e:  # reset by a QEMU that exits as it starts (e.g. no BIOS), or timed out
+            raise HarnessError(f"{self.name}: QMP connection lost ({e}): QEMU exited?") from None
         if not line:
             raise HarnessError(f"{self.name}: QMP connection closed (QEMU exited?)")
         return json.loads(line)
@@ -29,7 +35,10 @@ class Qmp:
         msg = {"execute": command}
         if arguments:
             msg["arguments"] = arguments
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError as e:
+            raise HarnessError(f"{self.name}: QMP connection lost ({e}): QEMU exited?") from None
         while True:
             reply = self._read()
             if "event" in reply:
@@ -48,7 +57,7 @@ class Qmp:
 
 
 def qemu_figures(reply):
-    """The figures of a final `query-migrate` reply (QEMU 7.2)."""
+    """The figures of a final `query-migrate` reply (the same fields in QEMU 7.2 and 10)."""
     ram = reply.get("ram", {})
     return {
         "status": reply.get("status"),
@@ -59,3 +68,50 @@ def qemu_figures(reply):
         "iterations": ram.get("dirty-sync-count"),
         "vmm_bytes": ram.get("transferred"),
     }
+
+
+VERSION_RE = re.compile(r"^QEMU emulator version (\d+(?:\.\d+)*)")
+
+
+def qemu_version_line(qemu):
+    """The first line of `QEMU --version` of this binary, e.g. "QEMU emulator version 10.0.2
+    (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)". Raises HarnessError when it prints none."""
+    try:
+        p = subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HarnessError(f"{qemu} --version: {e}") from None
+    lines = [line.strip() for line in p.stdout.splitlines() if line.strip()]
+    if p.returncode != 0 or not lines or not VERSION_RE.match(lines[0]):
+        raise HarnessError(f"{qemu} --version printed no QEMU version (exit {p.returncode}): "
+                           f"{(lines[0] if lines else p.stderr.strip()) or 'nothing'}")
+    return lines[0]
+
+
+def qemu_version_label(line):
+    """"QEMU 10.0.2" from a version line; "QEMU (version unknown)" for None (a run recorded without it)
+    or a line that names no version."""
+    m = VERSION_RE.match(line or "")
+    return f"QEMU {m.group(1)}" if m else "QEMU (version unknown)"
+
+
+def probe_qemu(qemu, accel=None, timeout_s=60):
+    """Starts this QEMU without a machine (`-M none`) under `-accel ACCEL` (default kvm), asks QMP for its
+    migration capabilities and quits. -> (set of capability names, None), or (None, QEMU's first error
+    line) when QEMU refused to start, e.g. a KVM without the dirty ring under "kvm,dirty-ring-size=4096"
+    (KVM is set up as the accelerator starts, machine or not)."""
+    cmd = [qemu, "-accel", accel or "kvm", "-M", "none", "-display", "none", "-nodefaults", "-qmp", "stdio"]
+    requests = "".join(json.dumps({"execute": c}) + "\n"
+                       for c in ("qmp_capabilities", "query-migrate-capabilities", "quit"))
+    try:
+        p = subprocess.run(cmd, input=requests, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    for line in p.stdout.splitlines():
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(reply, dict) and isinstance(reply.get("return"), list):
+            return {c["capability"] for c in reply["return"]}, None
+    errors = [line.strip() for line in p.stderr.splitlines() if line.strip()]
+    return None, errors[0] if errors else f"exit status {p.returncode}, no QMP reply"
