@@ -21,8 +21,8 @@ use crate::{outcome_unknown, usage_error};
 
 /// `tsubame migrate --help`'s last paragraph.
 pub const EXIT_STATUS: &str = "Exit status: 0 when the VM runs at the destination (the statistics \
-were received); 1 when the migration failed (before the switch the VM runs here again; after a \
-switch to post-copy it is lost) or could not start; 2 on a usage error; 3 when the outcome is \
+were received); 1 when the migration failed (before the switch the VM runs here again; once the \
+destination confirmed a switch to post-copy it is lost; an unconfirmed switch leaves it paused here) or could not start; 2 on a usage error; 3 when the outcome is \
 unknown: the VM's process closed the control socket (or went silent) before saying how the \
 migration ended — ask the destination (`stats` on its control socket) whether the VM runs there.";
 

@@ -10,16 +10,9 @@ use serde_json::Value;
 
 /// The server closed the connection (or went silent past the timeout)
 /// before a reply came: whatever was asked may or may not have happened.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("control socket {0} before replying")]
 pub struct SocketClosed(pub &'static str);
-
-impl std::fmt::Display for SocketClosed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "control socket {} before replying", self.0)
-    }
-}
-
-impl std::error::Error for SocketClosed {}
 
 /// A client connection to a control socket.
 pub struct ControlClient {
