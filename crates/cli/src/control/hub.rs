@@ -84,8 +84,11 @@ pub struct Hub {
     /// What answers the commands.
     pub handler: Arc<dyn ControlHandler>,
     sessions: Mutex<Vec<Arc<Session>>>,
-    /// The state the last events were made from (also the tick's lock).
-    last: Mutex<Option<VmState>>,
+    /// The state the last events were made from (also the tick's lock);
+    /// the outer None while no session takes events (nothing is looked at
+    /// then: the VM's state is read under the migration's lock, and in a
+    /// stop every wake-up on this host's two CPUs counts).
+    last: Mutex<Option<Option<VmState>>>,
     in_flight: AtomicUsize,
     /// Some client has been sent how the latest migration ended.
     end_told: AtomicBool,
@@ -96,11 +99,10 @@ pub struct Hub {
 impl Hub {
     /// A hub for `handler`; the state it starts from makes no events.
     pub fn new(handler: Arc<dyn ControlHandler>) -> Hub {
-        let last = handler.state();
         Hub {
             handler,
             sessions: Mutex::new(Vec::new()),
-            last: Mutex::new(last),
+            last: Mutex::new(None),
             in_flight: AtomicUsize::new(0),
             end_told: AtomicBool::new(false),
             parameters: Mutex::new(Map::new()),
@@ -150,20 +152,31 @@ impl Hub {
         self.end_told.store(true, Ordering::Release);
     }
 
+    /// A session now takes events: changes from here on are sent.
+    pub fn watch(&self) {
+        let mut last = self.last.lock().unwrap();
+        if last.is_none() {
+            *last = Some(self.handler.state());
+        }
+    }
+
     /// Compares the VM's state with the last one and sends the events.
+    /// While no session takes events the state is not read; [`Hub::watch`]
+    /// takes the state a session's events start from.
     pub fn tick(&self) {
         let mut last = self.last.lock().unwrap();
-        let now = self.handler.state();
-        if *last == now {
-            return;
-        }
-        let events = transitions(last.as_ref(), now.as_ref());
-        *last = now;
-        if events.is_empty() {
-            return;
-        }
         let sessions: Vec<Arc<Session>> =
             self.sessions.lock().unwrap().iter().filter(|s| s.events.load(Ordering::Acquire)).cloned().collect();
+        if sessions.is_empty() {
+            *last = None;
+            return;
+        }
+        let now = self.handler.state();
+        let Some(before) = last.replace(now.clone()) else { return };
+        if before == now {
+            return;
+        }
+        let events = transitions(before.as_ref(), now.as_ref());
         for (name, data) in events {
             let ended = name == "MIGRATION" && matches!(data["status"].as_str(), Some("completed" | "failed"));
             let event = event(name, data);

@@ -146,9 +146,9 @@ pub fn serve(stream: UnixStream, hub: Arc<Hub>) {
         if sent && ended {
             hub.told_end(&session);
         }
-        if matches!(form, Form::Qmp(true)) {
+        if matches!(form, Form::Qmp(true)) && !session.events.swap(true, Ordering::AcqRel) {
             // Events only after the reply that ends the negotiation.
-            session.events.store(true, Ordering::Release);
+            hub.watch();
         }
         hub.done();
         if !sent {
