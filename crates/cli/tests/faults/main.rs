@@ -94,7 +94,7 @@ impl Outcome {
         match self {
             Outcome::OneRunning(w) => format!("runs at the {w}"),
             Outcome::GoneWithHost(w) => format!("gone with {w}"),
-            Outcome::SourcePausedSaysSo => "source paused after COMMIT, says so".into(),
+            Outcome::SourcePausedSaysSo => "source paused after COMMIT or the switch, says so".into(),
             Outcome::Lost(_) => "LOST".into(),
             Outcome::Duplicated(_) => "DUPLICATED".into(),
             Outcome::Broken(_) => "BROKEN".into(),

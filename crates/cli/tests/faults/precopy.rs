@@ -137,7 +137,8 @@ fn trial_outcome(
     let deadline = Instant::now() + Duration::from_secs(45);
     loop {
         let log = read(&dest_log);
-        if !dest.alive() || log.contains("the VM runs here now") || log.contains("incoming migration failed") {
+        let gave_up = log.contains("incoming migration failed") || log.contains("incoming migration refused");
+        if !dest.alive() || log.contains("the VM runs here now") || gave_up {
             break;
         }
         if Instant::now() > deadline {
