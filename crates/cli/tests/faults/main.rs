@@ -127,12 +127,16 @@ impl Mode {
     }
 }
 
-/// The fixed mix: trial i goes to `MIX[i % 20]`.
+/// The fixed mix: trial i goes to `MIX[i % 20]` (pre-copy 4, disk 3,
+/// post-copy cut 3, post-copy kill 3, far memory 3, TLS 2, PSK 2).
+#[rustfmt::skip]
 const MIX: [Mode; 20] = {
     use Mode::*;
     [
-        Precopy, Disk, PostcopyCut, PostcopyKill, Far, Tls, Precopy, Disk, Psk, PostcopyCut, PostcopyKill, Far,
-        Precopy, Disk, Tls, PostcopyCut, PostcopyKill, Far, Precopy, Psk,
+        Precopy, Disk, PostcopyCut, PostcopyKill, Far,
+        Tls, Precopy, Disk, Psk, PostcopyCut,
+        PostcopyKill, Far, Precopy, Disk, Tls,
+        PostcopyCut, PostcopyKill, Far, Precopy, Psk,
     ]
 };
 

@@ -203,4 +203,3 @@ fn trial_outcome(
     }
     (Outcome::Lost(describe()), None)
 }
-

@@ -185,12 +185,12 @@ impl SourceRun<'_> {
                 // waiting and refuses the reconnection: the VM may never
                 // have run there, and this copy is whole. It stays paused
                 // (not lost), as after an unconfirmed COMMIT.
-                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing).map_err(|e| {
-                    match e {
+                link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing).map_err(
+                    |e| match e {
                         SourceError::PostcopyLost(why) => SourceError::SwitchUnconfirmed(why),
                         other => other,
-                    }
-                })?;
+                    },
+                )?;
                 resumes += 1;
                 self.enter(SourceState::Postcopy);
                 self.stats.downtime_ms = ms(paused.elapsed());
