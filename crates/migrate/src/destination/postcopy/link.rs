@@ -29,12 +29,58 @@ pub(crate) struct Reconnect {
 /// When every page is here, tells a reconnected source the outcome again,
 /// then takes whatever it still sends (its DIGEST) until it closes; false
 /// while the phase goes on.
-fn tell_done(shared: &PostcopyShared, io: &mut Stream) -> Result<bool, ReceiveError> {
+fn tell_done(shared: &PostcopyShared, io: &mut (impl Read + Write)) -> Result<bool, ReceiveError> {
     let Some(done) = shared.done.lock().unwrap().clone() else { return Ok(false) };
     protocol::write_frame(&mut *io, FrameKind::PostcopyDone, &done)?;
     io.flush()?;
     let _ = std::io::copy(io, &mut std::io::sink());
     Ok(true)
+}
+
+/// What a reconnection turned out to be.
+pub(super) enum Answer {
+    /// Another session's, or none: refused with an ERROR.
+    Refused,
+    /// The request connection's: its pages are read on a thread of its own.
+    Urgent,
+    /// Channel 0's, acknowledged with the pages still missing: the phase
+    /// goes on over it.
+    Channel0,
+    /// Channel 0's after every page arrived: told POSTCOPY_DONE again.
+    Done,
+}
+
+/// The destination's side of a RESUME handshake on `io`: preamble, RESUME
+/// of `session` (refused otherwise), then for channel 0 RESUME_ACK with the
+/// pages still missing (and POSTCOPY_DONE again once all are here).
+pub(super) fn answer_resume(
+    shared: &PostcopyShared,
+    io: &mut (impl Read + Write),
+    session: u64,
+    urgent_channel: u16,
+) -> Result<Answer, ReceiveError> {
+    protocol::read_preamble(&mut *io)?;
+    protocol::write_preamble(&mut *io, protocol::VERSION)?;
+    let mut frame = Vec::new();
+    let resume = match protocol::read_frame(&mut *io, &mut frame)? {
+        FrameKind::Resume => Resume::decode(&frame)?,
+        other => return Err(WireError::Unexpected { got: other, expected: "RESUME" }.into()),
+    };
+    if resume.session != session {
+        let refusal = ErrorMessage("no post-copy migration of that session here".into()).encode();
+        let _ = protocol::write_frame(&mut *io, FrameKind::Error, &refusal);
+        return Ok(Answer::Refused);
+    }
+    if resume.channel == urgent_channel {
+        return Ok(Answer::Urgent);
+    }
+    let ack = ResumeAck { missing: shared.missing_now() }.encode();
+    protocol::write_frame(&mut *io, FrameKind::ResumeAck, &ack)?;
+    io.flush()?;
+    if tell_done(shared, io)? {
+        return Ok(Answer::Done);
+    }
+    Ok(Answer::Channel0)
 }
 
 /// What channel 0's reader threads and the acceptor tell the phase.
@@ -122,29 +168,12 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
             let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
             let result = (|| -> Result<Option<Stream>, ReceiveError> {
                 let mut io = stream.try_clone()?;
-                protocol::read_preamble(&mut io)?;
-                protocol::write_preamble(&mut io, protocol::VERSION)?;
-                let mut frame = Vec::new();
-                let resume = match protocol::read_frame(&mut io, &mut frame)? {
-                    FrameKind::Resume => Resume::decode(&frame)?,
-                    other => return Err(WireError::Unexpected { got: other, expected: "RESUME" }.into()),
-                };
-                if resume.session != reconnect.session {
-                    let refusal = ErrorMessage("no post-copy migration of that session here".into()).encode();
-                    let _ = protocol::write_frame(&mut io, FrameKind::Error, &refusal);
-                    return Ok(None);
+                match answer_resume(&shared, &mut io, reconnect.session, reconnect.urgent_channel)? {
+                    Answer::Urgent => spawn_urgent(shared.clone(), stream.try_clone()?),
+                    Answer::Channel0 => return Ok(Some(stream.try_clone()?)),
+                    Answer::Refused | Answer::Done => {}
                 }
-                if resume.channel == reconnect.urgent_channel {
-                    spawn_urgent(shared.clone(), stream.try_clone()?);
-                    return Ok(None);
-                }
-                let ack = ResumeAck { missing: shared.missing_now() }.encode();
-                protocol::write_frame(&mut io, FrameKind::ResumeAck, &ack)?;
-                io.flush()?;
-                if tell_done(&shared, &mut io)? {
-                    return Ok(None);
-                }
-                Ok(Some(stream.try_clone()?))
+                Ok(None)
             })();
             if let Ok(Some(stream)) = result {
                 let _ = stream.set_read_timeout(None);

@@ -7,6 +7,7 @@
 //! with the source's digest page by page (the guest has been writing to
 //! it meanwhile, so it cannot be hashed again) and the source is told.
 
+pub mod fuzz;
 mod link;
 mod shared;
 
@@ -133,6 +134,30 @@ pub(super) fn run(
     PostcopyHandle { shared, thread }
 }
 
+/// One frame of channel 0 during the phase: pages to install, or the
+/// source's digest (returned); anything else fails the phase (the why).
+pub(super) fn on_frame(
+    shared: &PostcopyShared,
+    kind: FrameKind,
+    frame: &[u8],
+    unpacker: &mut Unpacker,
+    region: u32,
+) -> Result<Option<Digest>, String> {
+    if kind == FrameKind::Error {
+        return Err(format!("the source gave up: {}", ErrorMessage::decode(frame).0));
+    }
+    ReceiverState::Postcopy.check(kind).map_err(|e| e.to_string())?;
+    match kind {
+        FrameKind::PostcopyPages => shared.install_frame(frame).map_err(|e| e.to_string())?,
+        FrameKind::PostcopyPagesCompressed => shared.install_compressed(frame, unpacker).map_err(|e| e.to_string())?,
+        _ => {
+            let regions = (shared.pages * PAGE_SIZE as u64).div_ceil(region as u64) as usize;
+            return Ok(Some(Digest::decode(frame, region, regions).map_err(|e| e.to_string())?));
+        }
+    }
+    Ok(None)
+}
+
 /// The phase: pages and the source's digest from channel 0 (and from
 /// channel 0 again after a cut), until every page is here; then the
 /// comparison and POSTCOPY_DONE.
@@ -147,7 +172,6 @@ fn phase(
         shared.fail(why.clone());
         ReceiveError::Postcopy(why)
     };
-    let regions = (shared.pages * PAGE_SIZE as u64).div_ceil(region as u64) as usize;
     let mut theirs = None;
     let mut unpacker = Unpacker::default();
     let mut cut_at: Option<(Instant, String)> = None;
@@ -170,16 +194,8 @@ fn phase(
         }
         match events.recv_timeout(Duration::from_millis(100)) {
             Ok(Event::Frame(kind, frame)) => {
-                if kind == FrameKind::Error {
-                    return Err(fail(format!("the source gave up: {}", ErrorMessage::decode(&frame).0)));
-                }
-                ReceiverState::Postcopy.check(kind).map_err(|e| fail(e.to_string()))?;
-                match kind {
-                    FrameKind::PostcopyPages => shared.install_frame(&frame).map_err(|e| fail(e.to_string()))?,
-                    FrameKind::PostcopyPagesCompressed => {
-                        shared.install_compressed(&frame, &mut unpacker).map_err(|e| fail(e.to_string()))?
-                    }
-                    _ => theirs = Some(Digest::decode(&frame, region, regions).map_err(|e| fail(e.to_string()))?),
+                if let Some(digest) = on_frame(shared, kind, &frame, &mut unpacker, region).map_err(fail)? {
+                    theirs = Some(digest);
                 }
             }
             Ok(Event::Lost(of, _)) if of != link => {}
