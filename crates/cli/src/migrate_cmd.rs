@@ -315,11 +315,16 @@ pub fn print_summary(stats: &MigrationStats) {
         let label = if i == 0 { "choices:" } else { "" };
         println!("  {label:<12} {} {} ({})", choice.what, choice.chose, choice.why);
     }
+    let limit = match stats.over_limit_ms() {
+        Some(over) => format!("; over the {:.0} ms limit by {over:.1} ms", stats.downtime_limit_ms),
+        None if stats.downtime_limit_ms > 0.0 => format!("; limit {:.0} ms", stats.downtime_limit_ms),
+        None => String::new(),
+    };
     if stats.postcopy.is_some() {
         // The expected figure is a stop-and-copy's, which did not happen.
-        println!("  downtime:    {:.1} ms (the switch to post-copy)", stats.downtime_ms);
+        println!("  downtime:    {:.1} ms (the switch to post-copy{limit})", stats.downtime_ms);
     } else {
-        println!("  downtime:    {:.1} ms (expected {:.1} ms)", stats.downtime_ms, stats.expected_downtime_ms);
+        println!("  downtime:    {:.1} ms (expected {:.1} ms{limit})", stats.downtime_ms, stats.expected_downtime_ms);
     }
     println!(
         "  iterations:  {} ({}, stop reason: {})",

@@ -126,6 +126,9 @@ fn migrate_between_processes_and_guest_continues() {
     let total = stats["total_time_ms"].as_f64().unwrap() / 1e3;
     assert!(paused > 0.0 && paused < now && paused > now - total - 60.0, "paused at {paused}, now {now}: {stats}");
     assert!(text.contains("migration completed"), "{text}");
+    // The limit in force, in the statistics and the summary.
+    assert_eq!(stats["downtime_limit_ms"].as_f64(), Some(300.0), "{stats}");
+    assert!(text.contains("limit 300 ms") || text.contains("over the 300 ms limit"), "{text}");
 
     // The source process ends; the guest runs on at the destination.
     let status = pair.source.0.wait().unwrap();

@@ -219,6 +219,9 @@ pub struct MigrationStats {
     pub digest_verified: bool,
     /// Downtime the source expected when it stopped iterating.
     pub expected_downtime_ms: f64,
+    /// The downtime limit the run was given (a stop-and-copy starts only
+    /// when the rest is expected to fit it).
+    pub downtime_limit_ms: f64,
     /// Where the downtime went.
     pub downtime_breakdown: DowntimeBreakdown,
     /// What the engine chose and why, in the order it decided.
@@ -245,6 +248,15 @@ pub struct MigrationStats {
     /// far memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub far_memory: Option<FarMigrationStats>,
+}
+
+impl MigrationStats {
+    /// By how much the measured downtime went over the limit, when it did
+    /// (a post-copy run's downtime is its switch, held to the same limit).
+    pub fn over_limit_ms(&self) -> Option<f64> {
+        let over = self.downtime_ms - self.downtime_limit_ms;
+        (self.status == Status::Completed && self.downtime_limit_ms > 0.0 && over > 0.0).then_some(over)
+    }
 }
 
 /// A far-memory VM's migration: only resident pages move, but eviction
@@ -416,5 +428,23 @@ mod tests {
         // Statistics written before the field read back without it.
         let old: MigrationStats = serde_json::from_value(plain).unwrap();
         assert!(old.far_memory.is_none());
+    }
+
+    #[test]
+    fn a_downtime_over_the_limit_says_by_how_much() {
+        let run = |downtime_ms, status| MigrationStats {
+            downtime_ms,
+            downtime_limit_ms: 300.0,
+            status,
+            ..Default::default()
+        };
+        assert_eq!(run(120.0, Status::Completed).over_limit_ms(), None);
+        assert_eq!(run(300.0, Status::Completed).over_limit_ms(), None);
+        assert_eq!(run(412.5, Status::Completed).over_limit_ms(), Some(112.5));
+        // A failed run had no downtime to keep; statistics from before the
+        // field (limit 0) promised nothing.
+        assert_eq!(run(412.5, Status::Failed).over_limit_ms(), None);
+        let old = MigrationStats { downtime_ms: 412.5, status: Status::Completed, ..Default::default() };
+        assert_eq!(old.over_limit_ms(), None);
     }
 }

@@ -90,6 +90,7 @@ fn migrate_with(
             memory_bytes: vm.memory_bytes(),
             pages_total: memory::page_count(vm.memory()),
             choices: choices::initial_choices(options),
+            downtime_limit_ms: ms(options.downtime_limit),
             ..Default::default()
         },
         state: SourceState::Setup,

@@ -127,6 +127,9 @@ pub enum Handover {
     /// During an iteration the guest dirtied this many bytes while the link
     /// carried that many (auto).
     Outruns { dirtied: f64, carried: f64 },
+    /// The last looks before a stop kept finding more dirty than the
+    /// downtime limit allows: a stop now would be this long.
+    OverLimit { expected: Duration, limit: Duration },
 }
 
 impl Handover {
@@ -139,6 +142,11 @@ impl Handover {
                 "the guest dirtied {:.0} MB while the link carried {:.0} MB: pre-copy would not converge",
                 dirtied / 1e6,
                 carried / 1e6
+            ),
+            Handover::OverLimit { expected, limit } => format!(
+                "the last looks before the stop found a {:.0} ms stop, over the {:.0} ms downtime limit",
+                expected.as_secs_f64() * 1e3,
+                limit.as_secs_f64() * 1e3
             ),
         }
     }

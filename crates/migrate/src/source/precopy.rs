@@ -170,11 +170,26 @@ impl SourceRun<'_> {
                     vm.add_dirty_log(&mut bitmap)?;
                     let now = bitmap.count();
                     self.stats.expected_downtime_ms = ms(self.policy.expected(now, self.options));
-                    if last_looks < LAST_LOOKS && self.policy.grew_too_much(remaining, now, self.options) {
+                    if !self.policy.grew_too_much(remaining, now, self.options) {
+                        reason
+                    } else if last_looks < LAST_LOOKS {
                         last_looks += 1;
                         continue;
+                    } else if self.policy.expected(now, self.options) <= self.options.downtime_limit {
+                        reason
+                    } else if self.options.postcopy == PostcopyMode::Auto {
+                        // Pre-copy converges only with a stop that fits the
+                        // limit: post-copy where allowed, else more
+                        // iterations until one fits or there were enough.
+                        let expected = self.policy.expected(now, self.options);
+                        let limit = self.options.downtime_limit;
+                        self.chose_postcopy(Handover::OverLimit { expected, limit }.why());
+                        return Ok(PrecopyEnd::Postcopy { missing: bitmap, last_iteration: Some(iteration - 1) });
+                    } else if iteration < self.options.max_iterations {
+                        continue;
+                    } else {
+                        StopReason::MaxIterations
                     }
-                    reason
                 }
                 Decision::Stop(reason) => reason,
             };
