@@ -78,6 +78,7 @@ impl SourceRun<'_> {
         // the destination's threads the whole stop took longer (the
         // commit's round trip up to 3.9 ms instead of 0.2-0.3).
         vm.pause_for_state()?;
+        self.stats.paused_at_unix_us = vm.paused_at_unix_us();
         laps(&mut breakdown.pause_ms);
         // Before STATE: the destination drops its stale early copies of
         // the blocks written since the last iteration's list.

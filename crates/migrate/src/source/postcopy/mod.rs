@@ -99,6 +99,7 @@ impl SourceRun<'_> {
         let paused = Instant::now();
         self.stats.paused_at_monotonic_s = tsubame_vmm::cpu_time::monotonic_seconds();
         vm.pause_for_state()?;
+        self.stats.paused_at_unix_us = vm.paused_at_unix_us();
         let stopped = Instant::now();
         // Pages dirtied since are populated, and not far: taken as they are.
         vm.dirty_log(&mut fresh)?;
