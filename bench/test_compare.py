@@ -281,14 +281,26 @@ def test_medians_and_ratios():
 
 def test_table_text():
     table = compare.make_table(compare.load_runs(data("ratio-runs.jsonl")))
-    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | 300 | 320 | 1000 |" in table
+    # recorded before the guest reported its own stall: guest stall and VMM stop→resume are "–"
+    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | – | – | 300 | 320 | 1000 |" in table
     assert "| b | qemu-default | 0/1 | 0/1 | >120 | – |" in table
-    assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | 2.00 |"
-            in table)
+    assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | – | – | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | "
+            "2.00 |" in table)
     assert "| b | tsubame-auto | qemu-default | – |" in table
     # the default against the best QEMU configuration (qemu-xbzrle's median 9 s) and qemu-default's downtime
     assert "| a | qemu-xbzrle | 2/3 | 0.56 | 0.50 | 200 | – |" in table
     assert "| b | none completed | 1/1 | – | – | 450 | – |" in table
+
+
+def test_downtime_columns_lead_for_both_vmms():
+    runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
+    for r in runs:
+        r["guest_stall_ms"], r["vmm_stop_resume_ms"] = (240.0, 230.0) if r["vmm"] == "qemu" else (60.0, 46.0)
+    table = compare.make_table(runs)
+    header = table.splitlines()[0]
+    assert header.index("guest stall (ms)") < header.index("VMM stop→resume (ms)") < header.index("VMM downtime")
+    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | 240 | 230 | 300 |" in table
+    assert "| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.25 | 0.20 | 0.50 |" in table
 
 
 def test_run_order_rotates_each_vmm_group():
@@ -385,6 +397,8 @@ def test_real_smoke_run(tmp_path):
         assert run["ops_continuous"] and run["ops_per_sec_after"] > 0
         assert run["guest_downtime_ms"] > 0 and run["bytes_on_wire"] > 256 * 2**20 * 0.5
         assert run["cpu_source_s"] > 0 and run["cpu_destination_s"] >= 0
+        # downtime the same way for both: the guest's own stall and the VMM's stop→resume
+        assert run["guest_stall_ms"] > 0 and run["vmm_stop_resume_ms"] > 0
     assert "| tiny-kv-256M-10gbit | tsubame-auto | qemu-default |" in p.stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     leftover = [n.split()[0] for n in names.splitlines() if n.strip()]

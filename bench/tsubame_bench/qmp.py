@@ -14,6 +14,7 @@ class Qmp:
         self.sock = connect_unix(path, 10, proc)
         self.sock.settimeout(30)
         self.reader = self.sock.makefile("rb")
+        self.events = []  # every event read so far (they arrive between replies), oldest first
         greeting = self._read()
         if "QMP" not in greeting:
             raise HarnessError(f"{name}: unexpected QMP greeting {greeting}")
@@ -33,10 +34,16 @@ class Qmp:
         while True:
             reply = self._read()
             if "event" in reply:
+                self.events.append(reply)
                 continue
             if "error" in reply:
                 raise HarnessError(f"{self.name}: QMP {command} failed: {reply['error'].get('desc')}")
             return reply.get("return")
+
+    def event_times(self, name):
+        """Unix times (s) of the events of this name read so far, oldest first (QEMU stamps them with
+        the host's CLOCK_REALTIME, as tsubame stamps its vCPU's stop and resume)."""
+        return [event_unix_s(e) for e in self.events if e.get("event") == name]
 
     def close(self):
         try:
@@ -59,3 +66,17 @@ def qemu_figures(reply):
         "iterations": ram.get("dirty-sync-count"),
         "vmm_bytes": ram.get("transferred"),
     }
+
+
+def event_unix_s(event):
+    """A QMP event's `timestamp` ({seconds, microseconds}) in Unix seconds."""
+    stamp = event["timestamp"]
+    return stamp["seconds"] + stamp["microseconds"] / 1e6
+
+
+def stop_resume_ms(stopped_at_s, resumed_at_s):
+    """A VMM's downtime from its own events: source vCPU stop -> destination vCPU resume, in ms (Unix
+    seconds of one host clock in); None when either is missing or the resume is not after the stop."""
+    if not stopped_at_s or not resumed_at_s or resumed_at_s < stopped_at_s:
+        return None
+    return (resumed_at_s - stopped_at_s) * 1e3
