@@ -712,8 +712,8 @@ def ratio(a, b):
 METRICS = [
     ("total (s)", "total_time_s", 1, "{:.2f}"),
     ("until guest runs at dst (s)", "time_to_destination_s", 1, "{:.2f}"),
-    ("guest stall (ms)", "guest_stall_ms", 1, "{:.0f}"),
-    ("VMM stop→resume (ms)", "vmm_stop_resume_ms", 1, "{:.0f}"),
+    ("guest stall (ms)", "guest_stall_ms", 1, "{:.1f}"),
+    ("VMM stop→resume (ms)", "vmm_stop_resume_ms", 1, "{:.1f}"),
     ("VMM downtime (ms)", "vmm_downtime_ms", 1, "{:.0f}"),
     ("guest downtime (ms)", "guest_downtime_ms", 1, "{:.0f}"),
     ("MiB on wire", "bytes_on_wire", 1 / 2**20, "{:.0f}"),
