@@ -58,14 +58,15 @@ import tomllib
 from dataclasses import dataclass, field
 
 from tsubame_bench import HarnessError
-from tsubame_bench.console import (TSC_KHZ_RE, guest_downtime_ms, guest_errors, max_gap_ms, ops_continuous,
-                                   ops_done_rate, ops_rate, parse_progress, progress_points, switchover)
+from tsubame_bench.console import (TSC_KHZ_RE, guest_downtime_ms, guest_errors, guest_stall, max_gap_ms,
+                                   ops_continuous, ops_done_rate, ops_rate, parse_progress, progress_points,
+                                   switchover)
 from tsubame_bench.control import control_request
 from tsubame_bench.demo import tsubame_figures
 from tsubame_bench.link import ACTIVE_LINKS, Link, remove_stale_namespaces
 from tsubame_bench.procs import (CpuSampler, Proc, follow_console_socket, sh, stop_all_processes, stop_process,
                                  wait_for_path, wait_until)
-from tsubame_bench.qmp import Qmp, probe_qemu, qemu_figures, qemu_version_label, qemu_version_line
+from tsubame_bench.qmp import Qmp, probe_qemu, qemu_figures, qemu_version_label, qemu_version_line, stop_resume_ms
 from tsubame_bench.units import parse_rate, parse_size, tsubame_rate_arg
 
 MIGRATION_PORT = 47001
@@ -235,6 +236,16 @@ class RunResult:
     wall_time_s: float | None = None  # harness: migrate command -> seen completed
     time_to_destination_s: float | None = None  # harness: migrate command -> first destination progress line
     vmm_downtime_ms: float | None = None
+    # downtime measured the same way for both VMMs (bench/README.md): the guest's own largest stall
+    # (its `gap_us`), from migration start to the end of the watch; which side's line reported it and
+    # when (s from migration start); and source vCPU stop -> destination vCPU resume from the VMMs'
+    # own events (QMP STOP/RESUME; tsubame's paused_at/resumed_at_unix_us), Unix seconds of one clock
+    guest_stall_ms: float | None = None
+    guest_stall_side: str | None = None
+    guest_stall_at_s: float | None = None
+    vmm_stop_resume_ms: float | None = None
+    vmm_stopped_at_unix_s: float | None = None
+    vmm_resumed_at_unix_s: float | None = None
     guest_downtime_ms: float | None = None  # largest gap between progress lines around the switch-over
     switchover_gap_ms: float | None = None  # last source progress line -> first destination line
     max_source_gap_ms: float | None = None  # largest gap between source lines during the migration
@@ -375,6 +386,8 @@ def fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, log_prefi
     result.switchover_gap_ms = gap
     result.time_to_destination_s = None if t_dst_first is None else t_dst_first - t_start
     result.guest_downtime_ms = guest_downtime_ms(src, dst, t_src_last, t_dst_first)
+    fill_stall_figures(result, src_log.snapshot(), dst_log.snapshot(), t_start, t_end,
+                       max(t_end, t_dst_first or t_end) + case.watch_s)
     result.max_source_gap_ms = max_gap_ms(src, t_start, t_src_last if t_src_last else t_end)
     result.ops_per_sec_before = ops_rate(src, t_start - case.warmup_s / 2, t_start)  # after first-touch faults
     result.ops_per_sec_during = ops_rate(src, t_start, t_src_last if t_src_last else t_end)
@@ -402,6 +415,16 @@ def fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, log_prefi
         "source": [[round(t - t_start, 4), ops] for t, ops in src if t >= t_start - case.warmup_s],
         "destination": [[round(t - t_start, 4), ops] for t, ops in dst],
     }
+
+
+def fill_stall_figures(result, src_lines, dst_lines, t_start, t_end, t_watch_end):
+    """The guest's own largest stall (`gap_us`) in the source's lines from migration start to its end and
+    the destination's up to the end of the watch; and the VMMs' stop -> resume from the times run_qemu
+    or run_tsubame filled in."""
+    gap, side, at = guest_stall(src_lines, dst_lines, t_start, t_end, t_watch_end)
+    result.guest_stall_ms, result.guest_stall_side = gap, side
+    result.guest_stall_at_s = None if at is None else round(at - t_start, 4)
+    result.vmm_stop_resume_ms = stop_resume_ms(result.vmm_stopped_at_unix_s, result.vmm_resumed_at_unix_s)
 
 
 def new_result(case, config, rep, env):
@@ -532,6 +555,10 @@ def run_qemu(case, config, rep, env, link, run_tag):
             return result
         watch_destination(dst_log, src_log, t_end, case.watch_s, what)
         state = dst_qmp.execute("query-status")
+        # the source's STOP of the switch (its last) and the destination's RESUME (its first), read by now
+        stops, resumes = src_qmp.event_times("STOP"), dst_qmp.event_times("RESUME")
+        result.vmm_stopped_at_unix_s = stops[-1] if stops else None
+        result.vmm_resumed_at_unix_s = resumes[0] if resumes else None
         if state.get("status") != "running":
             raise HarnessError(f"{what}: QEMU destination is '{state.get('status')}', not running, after migration")
         fill_guest_figures(result, src_log, dst_log, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
@@ -653,6 +680,12 @@ def run_tsubame(case, config, rep, env, link, run_tag):
             raise HarnessError(f"{what}: {result.error}")
         result.status = "completed"
         watch_destination(dst.out, src.out, t_end, case.watch_s, what)
+        result.vmm_stopped_at_unix_s = (stats.get("paused_at_unix_us") or 0) / 1e6 or None
+        try:
+            vcpu = control_request(dst_ctl, {"cmd": "stats"}).get("vcpu") or {}
+        except (OSError, ValueError):
+            vcpu = {}  # no figure, not a failed run
+        result.vmm_resumed_at_unix_s = (vcpu.get("resumed_at_unix_us") or 0) / 1e6 or None
         fill_guest_figures(result, src.out, dst.out, t_start, t_end, case, os.path.join(env.log_dir, run_tag))
         return result
     finally:
@@ -706,6 +739,8 @@ def ratio(a, b):
 METRICS = [
     ("total (s)", "total_time_s", 1, "{:.2f}"),
     ("until guest runs at dst (s)", "time_to_destination_s", 1, "{:.2f}"),
+    ("guest stall (ms)", "guest_stall_ms", 1, "{:.1f}"),
+    ("VMM stop→resume (ms)", "vmm_stop_resume_ms", 1, "{:.1f}"),
     ("VMM downtime (ms)", "vmm_downtime_ms", 1, "{:.0f}"),
     ("guest downtime (ms)", "guest_downtime_ms", 1, "{:.0f}"),
     ("MiB on wire", "bytes_on_wire", 1 / 2**20, "{:.0f}"),
@@ -720,8 +755,9 @@ METRICS = [
     ("fault p99 (µs)", "fault_latency_p99_us", 1, "{:.0f}"),
     ("blocktime (ms)", "postcopy_blocktime_ms", 1, "{:.0f}"),
 ]
-RATIO_METRICS = ["total_time_s", "time_to_destination_s", "vmm_downtime_ms", "guest_downtime_ms", "bytes_on_wire", "cpu_source_s",
-                 "cpu_source_migration_s", "cpu_destination_s", "ops_per_sec_during", "ops_per_sec_postcopy"]
+RATIO_METRICS = ["total_time_s", "time_to_destination_s", "guest_stall_ms", "vmm_stop_resume_ms",
+                 "vmm_downtime_ms", "guest_downtime_ms", "bytes_on_wire", "cpu_source_s", "cpu_source_migration_s",
+                 "cpu_destination_s", "ops_per_sec_during", "ops_per_sec_postcopy"]
 
 
 def metric(run, key):
@@ -1099,7 +1135,9 @@ def on_sigterm(signum, frame):
 
 def progress_line(result):
     return (f"compare: {result.case}/{result.config}#{result.repetition}: {result.status}, "
-            f"total {fmt(result.total_time_s)} s, VMM downtime {fmt(result.vmm_downtime_ms, 1, '{:.0f}')} ms, "
+            f"total {fmt(result.total_time_s)} s, guest stall {fmt(result.guest_stall_ms, 1, '{:.0f}')} ms, "
+            f"VMM stop→resume {fmt(result.vmm_stop_resume_ms, 1, '{:.0f}')} ms, "
+            f"VMM downtime {fmt(result.vmm_downtime_ms, 1, '{:.0f}')} ms, "
             f"guest downtime {fmt(result.guest_downtime_ms, 1, '{:.0f}')} ms, "
             f"{fmt(result.bytes_on_wire, 1 / 2**20, '{:.0f}')} MiB, "
             f"CPU-s src {fmt(result.cpu_source_s)} dst {fmt(result.cpu_destination_s)}")

@@ -9,7 +9,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tsubame_bench import HarnessError  # noqa: E402
-from tsubame_bench.console import parse_progress, progress_points  # noqa: E402
+from tsubame_bench.console import guest_stall, parse_progress, progress_points, stall_ms  # noqa: E402
+from tsubame_bench.qmp import event_unix_s, stop_resume_ms  # noqa: E402
 from tsubame_bench.demo import migration_cpu, run_demo  # noqa: E402
 from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
 
@@ -22,6 +23,28 @@ def test_progress_lines_with_and_without_extra_fields():
         assert parse_progress(bad) is None, bad
     assert progress_points([(1.0, "tsb ops=5 pass=0 rd=1"), (2.0, "noise"), (3.0, "tsb ops=9 pass=1")]) == [
         (1.0, 5), (3.0, 9)]
+
+
+def test_guest_stall_is_the_largest_gap_us_from_migration_start_to_the_watch_end():
+    assert parse_progress("tsb ops=12 pass=3 gap_us=812 rd=1") == {"ops": 12, "pass": 3, "gap_us": 812, "rd": 1}
+    assert stall_ms("tsb ops=12 pass=3 gap_us=1500") == 1.5
+    assert stall_ms("tsb ops=12 pass=3") is None and stall_ms("tsubame-guest: kv keys=1") is None
+    src = [(0.5, "tsb ops=1 pass=0 gap_us=90000"),  # before migration start: not counted
+           (1.1, "tsb ops=2 pass=0 gap_us=9000"), (1.2, "tsb ops=3 pass=0 gap_us=12000"),
+           (9.0, "tsb ops=4 pass=0 gap_us=70000")]  # after the source's end (a timed-out source ran on)
+    dst = [(1.5, "tsb ops=5 pass=0 gap_us=250000"),  # the first line after the resume carries the stop
+           (1.6, "tsb ops=6 pass=0 gap_us=8000"), (5.0, "tsb ops=7 pass=0 gap_us=900000")]  # past the watch
+    assert guest_stall(src, dst, 1.0, 2.0, 4.0) == (250.0, "destination", 1.5)
+    assert guest_stall(src, [], 1.0, 2.0, 4.0) == (12.0, "source", 1.2)
+    assert guest_stall([(1.1, "tsb ops=2 pass=0")], [], 1.0, 2.0, 4.0) == (None, None, None)
+
+
+def test_stop_resume_from_one_clock():
+    stop = {"event": "STOP", "timestamp": {"seconds": 1700000000, "microseconds": 250000}}
+    assert event_unix_s(stop) == 1700000000.25
+    assert stop_resume_ms(100.0, 100.2) == pytest.approx(200.0)
+    assert stop_resume_ms(None, 100.2) is None and stop_resume_ms(100.0, None) is None
+    assert stop_resume_ms(100.2, 100.0) is None  # a resume before the stop is someone else's
 
 
 def test_units():

@@ -392,10 +392,11 @@ def test_medians_and_ratios():
 
 def test_table_text():
     table = compare.make_table(compare.load_runs(data("ratio-runs.jsonl")))
-    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | 300 | 320 | 1000 |" in table
+    # recorded before the guest reported its own stall: guest stall and VMM stop→resume are "–"
+    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | – | – | 300 | 320 | 1000 |" in table
     assert "| b | qemu-default | 0/1 | 0/1 | >120 | – |" in table
-    assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | 2.00 |"
-            in table)
+    assert ("| a | tsubame-auto | qemu-default | 0.50 | 0.50 | – | – | 0.50 | 0.62 | 0.60 | 0.56 | 0.50 | 0.50 | "
+            "2.00 |" in table)
     assert "| b | tsubame-auto | qemu-default | – |" in table
     # the default against the best QEMU configuration of each figure
     assert "| a | total (s) | qemu-xbzrle | 9.00 | 5.00 (2/3 completed) | 0.56 |" in table
@@ -403,6 +404,17 @@ def test_table_text():
     assert "| a | MiB on wire | qemu-default | 1000 | 600 (2/3 completed) | 0.60 |" in table
     assert "| b | total (s) | none completed | – | 30.00 (1/1 completed) | – |" in table
     assert "post-copy" not in table.split("tsubame-auto (no flags) against")[1]  # no side has that figure here
+
+
+def test_downtime_columns_lead_for_both_vmms():
+    runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
+    for r in runs:
+        r["guest_stall_ms"], r["vmm_stop_resume_ms"] = (240.0, 230.0) if r["vmm"] == "qemu" else (60.0, 46.0)
+    table = compare.make_table(runs)
+    header = next(line for line in table.splitlines() if line.startswith("| case | config |"))
+    assert header.index("guest stall (ms)") < header.index("VMM stop→resume (ms)") < header.index("VMM downtime")
+    assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | 240.0 | 230.0 | 300 |" in table
+    assert "| a | tsubame-auto | qemu-default | 0.50 | 0.50 | 0.25 | 0.20 | 0.50 |" in table
 
 
 def test_run_order_rotates_each_vmm_group():
@@ -446,6 +458,7 @@ def test_best_qemu_per_figure():
     best = rows["a"]["best"]
     picks = {key: b["config"] for key, b in best.items()}
     assert picks == {"total_time_s": "qemu-xbzrle", "time_to_destination_s": "qemu-default",
+                     "guest_stall_ms": None, "vmm_stop_resume_ms": None,  # figures these runs lack
                      "vmm_downtime_ms": "qemu-xbzrle", "guest_downtime_ms": "qemu-default",
                      "bytes_on_wire": "qemu-default", "cpu_source_s": "qemu-default",
                      "cpu_source_migration_s": "qemu-default", "cpu_destination_s": "qemu-default",
@@ -548,6 +561,8 @@ def test_real_smoke_run(tmp_path):
         assert run["ops_continuous"] and run["ops_per_sec_after"] > 0
         assert run["guest_downtime_ms"] > 0 and run["bytes_on_wire"] > 256 * 2**20 * 0.5
         assert run["cpu_source_s"] > 0 and run["cpu_destination_s"] >= 0
+        # downtime the same way for both: the guest's own stall and the VMM's stop→resume
+        assert run["guest_stall_ms"] > 0 and run["vmm_stop_resume_ms"] > 0
     assert "| tiny-kv-256M-10gbit | tsubame-auto | qemu-default |" in p.stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     leftover = [n.split()[0] for n in names.splitlines() if n.strip()]

@@ -277,8 +277,10 @@ static void disk_progress(struct run *r, u64 rd, u64 wr)
         if (pace_due == 0 || now > pace_due + r->progress.interval_tsc)
             pace_due = now;
         pace_due += (u64)((double)(rd + wr) * r->throttle.tsc_per_byte);
-        while (rdtsc() < pace_due)
+        while ((now = rdtsc()) < pace_due) {
+            stall_note(now);
             cpu_relax();
+        }
     }
     progress_tick(&r->progress);
 }

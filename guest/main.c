@@ -216,6 +216,8 @@ static struct arena find_arena(const struct mb_info *mbi)
     return best;
 }
 
+struct stall guest_stall;
+
 void progress_emit(struct progress *p)
 {
     struct line l = {.len = 0};
@@ -223,6 +225,12 @@ void progress_emit(struct progress *p)
     line_u64(&l, p->ops);
     line_str(&l, " pass=");
     line_u64(&l, p->pass);
+    /* The largest gap since the last line, in us. The line's own exit is
+       not excluded from the next gap: a stop that catches the vCPU in it
+       is a stall like any other. */
+    line_str(&l, " gap_us=");
+    line_u64(&l, guest_stall.max_gap_tsc * 1000 / p->tsc_khz);
+    guest_stall.max_gap_tsc = 0;
     if (p->disk) {
         line_str(&l, " rd=");
         line_u64(&l, p->rd);
@@ -240,8 +248,12 @@ void progress_emit(struct progress *p)
 void throttle_wait(struct throttle *t)
 {
     u64 due = t->start_tsc + (u64)((double)t->bytes * t->tsc_per_byte);
-    while (rdtsc() < due)
+    u64 now;
+    while ((now = rdtsc()) < due) {
+        stall_note(now);
         cpu_relax();
+    }
+    stall_note(now);
 }
 
 static void line_size(struct line *l, u64 bytes)
@@ -291,7 +303,9 @@ void guest_main(u32 mbi_addr)
     }
     r.rng = r.cfg.seed * 0x2545F4914F6CDD1DUL + 1;
     r.progress.interval_tsc = 50 * khz; /* 50 ms */
+    r.progress.tsc_khz = khz;
     r.progress.next_tsc = rdtsc() + r.progress.interval_tsc;
+    guest_stall.last_tsc = rdtsc();
     r.throttle.start_tsc = rdtsc();
     if (!r.cfg.rate_set && str_eq(r.cfg.workload, strlen(r.cfg.workload), "disk-seq"))
         r.cfg.rate_mbs = 160; /* the I/O paper's 16 KB per ~100 us */

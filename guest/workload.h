@@ -19,14 +19,34 @@ struct arena {
     u64 size;
 };
 
-/* Progress lines (`tsb ops=N pass=N`, disk workloads add `rd=B wr=B`
- * and disk-mixed `ack=SEQ`) every ~50 ms of TSC time. */
+/* Progress lines (`tsb ops=N pass=N gap_us=G`, disk workloads add
+ * `rd=B wr=B` and disk-mixed `ack=SEQ`) every ~50 ms of TSC time. */
 struct progress {
     u64 ops, pass;
     u64 next_tsc, interval_tsc;
+    u64 tsc_khz;
     int disk, has_ack;
     u64 rd, wr, ack;
 };
+
+/* The guest's own view of a stall: the largest TSC gap between two
+ * consecutive checkpoints of the work loop (each progress_tick, each turn
+ * of a pacing spin), since the last progress line printed it as `gap_us`.
+ * A pause or a migration's stop-and-copy lands in the gap that ends at the
+ * first checkpoint after the resume, so the first line printed after it
+ * carries it. One vCPU: a plain global. */
+struct stall {
+    u64 last_tsc, max_gap_tsc;
+};
+extern struct stall guest_stall;
+
+static inline void stall_note(u64 now)
+{
+    i64 gap = (i64)(now - guest_stall.last_tsc);
+    if (gap > (i64)guest_stall.max_gap_tsc)
+        guest_stall.max_gap_tsc = (u64)gap;
+    guest_stall.last_tsc = now;
+}
 
 /* Caps the rate of bytes written at rate_mbs. */
 struct throttle {
@@ -47,7 +67,9 @@ struct run {
 void progress_emit(struct progress *p);
 static inline void progress_tick(struct progress *p)
 {
-    if (rdtsc() >= p->next_tsc)
+    u64 now = rdtsc();
+    stall_note(now);
+    if (now >= p->next_tsc)
         progress_emit(p);
 }
 

@@ -56,8 +56,11 @@ void workload_fill_zero(struct run *r)
             throttle_account(&r->throttle, 8);
         } else {
             next += gap;
-            while (rdtsc() < next)
+            u64 now;
+            while ((now = rdtsc()) < next) {
+                stall_note(now);
                 cpu_relax();
+            }
         }
         progress_tick(&r->progress);
     }

@@ -1,7 +1,7 @@
 """The guest's console lines (guest/README.md): progress lines
-`tsb ops=<u64> pass=<u64>` (disk workloads append more `key=value`
-fields), its banner and its error lines; and the figures read off their
-timeline. Pure functions, tested in bench/test_bench_lib.py and
+`tsb ops=<u64> pass=<u64> gap_us=<u64>` (the guest's own largest stall
+since its previous line; disk workloads append more `key=value` fields),
+its banner and its error lines; and the figures read off their timeline. Pure functions, tested in bench/test_bench_lib.py and
 bench/test_compare.py."""
 import re
 import threading
@@ -98,6 +98,30 @@ def guest_downtime_ms(src_points, dst_points, t_src_last, t_dst_first, around_s=
     times = [t for t, _ in src_points if t_src_last - around_s <= t <= t_src_last]
     times += [t for t, _ in dst_points if t_dst_first <= t <= t_dst_first + around_s]
     return max(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+def stall_ms(text):
+    """The guest's own largest stall since its previous progress line (`gap_us`), in ms; None for any
+    other line, or a guest too old to report it."""
+    fields = parse_progress(text)
+    gap = fields.get("gap_us") if fields else None
+    return gap / 1e3 if isinstance(gap, int) else None
+
+
+def guest_stall(src_lines, dst_lines, t_start, t_src_end, t_dst_end):
+    """The guest-measured downtime: the largest stall the guest itself reported (`gap_us`, timed by its
+    TSC) in the source's lines from migration start to t_src_end and the destination's up to t_dst_end.
+
+    A stop lands in the gap that ends at the guest's first checkpoint after it ran again, so the
+    destination's first line carries the switch-over. [(t, text)] logs -> (ms, "source" or
+    "destination", t of the line that reported it); (None, None, None) without such lines."""
+    best = (None, None, None)
+    for side, lines, t_end in (("source", src_lines, t_src_end), ("destination", dst_lines, t_dst_end)):
+        for t, text in lines:
+            gap = stall_ms(text) if t_start <= t <= t_end else None
+            if gap is not None and (best[0] is None or gap > best[0]):
+                best = (gap, side, t)
+    return best
 
 
 def ops_continuous(src_points, dst_points):

@@ -17,6 +17,7 @@ class Qmp:
         self.sock = connect_unix(path, 10, proc)
         self.sock.settimeout(30)
         self.reader = self.sock.makefile("rb")
+        self.events = []  # every event read so far (they arrive between replies), oldest first
         greeting = self._read()
         if "QMP" not in greeting:
             raise HarnessError(f"{name}: unexpected QMP greeting {greeting}")
@@ -42,10 +43,16 @@ class Qmp:
         while True:
             reply = self._read()
             if "event" in reply:
+                self.events.append(reply)
                 continue
             if "error" in reply:
                 raise HarnessError(f"{self.name}: QMP {command} failed: {reply['error'].get('desc')}")
             return reply.get("return")
+
+    def event_times(self, name):
+        """Unix times (s) of the events of this name read so far, oldest first (QEMU stamps them with
+        the host's CLOCK_REALTIME, as tsubame stamps its vCPU's stop and resume)."""
+        return [event_unix_s(e) for e in self.events if e.get("event") == name]
 
     def close(self):
         try:
@@ -115,3 +122,16 @@ def probe_qemu(qemu, accel=None, timeout_s=60):
             return {c["capability"] for c in reply["return"]}, None
     errors = [line.strip() for line in p.stderr.splitlines() if line.strip()]
     return None, errors[0] if errors else f"exit status {p.returncode}, no QMP reply"
+
+def event_unix_s(event):
+    """A QMP event's `timestamp` ({seconds, microseconds}) in Unix seconds."""
+    stamp = event["timestamp"]
+    return stamp["seconds"] + stamp["microseconds"] / 1e6
+
+
+def stop_resume_ms(stopped_at_s, resumed_at_s):
+    """A VMM's downtime from its own events: source vCPU stop -> destination vCPU resume, in ms (Unix
+    seconds of one host clock in); None when either is missing or the resume is not after the stop."""
+    if not stopped_at_s or not resumed_at_s or resumed_at_s < stopped_at_s:
+        return None
+    return (resumed_at_s - stopped_at_s) * 1e3

@@ -26,7 +26,8 @@ pub struct GuestProgress {
     pub mean_ops_per_sec: f64,
     /// The guest's error or exception line, if it printed one.
     pub error: Option<String>,
-    /// The latest line's further `key=value` counters (disk workloads:
+    /// The latest line's further `key=value` counters (`gap_us`, the
+    /// guest's largest stall since its previous line; disk workloads:
     /// `rd`, `wr` bytes; `ack`, the last write acknowledged).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub fields: std::collections::BTreeMap<String, u64>,
@@ -153,7 +154,8 @@ mod tests {
         p.record(t0 + Duration::from_millis(500), "tsb ops=500 pass=0");
         p.record(t0 + Duration::from_millis(1000), "tsb ops=1000 pass=1");
         assert!(p.fields.is_empty());
-        p.record(t0 + Duration::from_millis(1100), "tsb ops=1100 pass=1 rd=8192 ack=7");
+        p.record(t0 + Duration::from_millis(1100), "tsb ops=1100 pass=1 gap_us=812 rd=8192 ack=7");
+        assert_eq!(p.fields.get("gap_us"), Some(&812));
         assert_eq!(p.fields.get("rd"), Some(&8192));
         assert_eq!(p.fields.get("ack"), Some(&7));
         assert!((p.mean_ops_per_sec - 1000.0).abs() < 1.0);

@@ -310,6 +310,7 @@ impl RunningVm {
             "uptime_ms": self.started.elapsed().as_millis() as u64,
             "memory_arriving": self.arriving.load(Ordering::Acquire),
             "guest": progress,
+            "vcpu": self.vm.switch_times(),
             "disk": self.vm.disk_stats(),
             "far_memory": self.far_stats(),
         })

@@ -195,6 +195,12 @@ pub struct MigrationStats {
     /// CLOCK_MONOTONIC (0 if it never did): to line the stop up with a
     /// trace of the host, e.g. `perf record -k mono` (bench/stop_cpus.py).
     pub paused_at_monotonic_s: f64,
+    /// When the source's vCPU stopped for the switch, in µs of the host's
+    /// CLOCK_REALTIME since the Unix epoch (0 if it never did): the
+    /// destination's control socket says when its vCPU ran
+    /// (`stats`.`vcpu`.`resumed_at_unix_us`); the difference is the stop
+    /// measured as QEMU's STOP and RESUME events measure it.
+    pub paused_at_unix_us: u64,
     /// Connection and handshake.
     pub setup_time_ms: f64,
     /// Iterations, stop-and-copy included.

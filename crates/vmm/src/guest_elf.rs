@@ -42,7 +42,8 @@ pub fn cmdline(workload: &str, args: &[(String, String)], tsc_khz: u32) -> Resul
 }
 
 /// A progress line of the guest (guest/README.md): `tsb ops=<u64>
-/// pass=<u64>`, possibly followed by more `key=value` fields.
+/// pass=<u64>`, followed by more `key=value` fields (`gap_us`, and the
+/// disk workloads' counters) that this parser leaves to its callers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ProgressLine {
     /// The workload's operations so far.
@@ -76,6 +77,7 @@ mod tests {
     fn progress_lines() {
         assert_eq!(parse_progress("tsb ops=12 pass=3"), Some(ProgressLine { ops: 12, pass: 3 }));
         assert_eq!(parse_progress("tsb ops=12 pass=3 rd=4096 wr=0"), Some(ProgressLine { ops: 12, pass: 3 }));
+        assert_eq!(parse_progress("tsb ops=12 pass=3 gap_us=812 rd=1"), Some(ProgressLine { ops: 12, pass: 3 }));
         assert_eq!(parse_progress("tsb ops=x pass=3"), None);
         assert_eq!(parse_progress("tsb ops=1"), None);
         assert_eq!(parse_progress("tsubame-guest: workload=kv"), None);

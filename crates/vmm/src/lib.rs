@@ -26,6 +26,6 @@ pub use bitmap::DirtyBitmap;
 pub use devices::ConsoleLine;
 pub use memory::{GuestMemory, PAGE_SIZE};
 pub use persist::VmState;
-pub use vcpu::{VcpuState, VcpuStatus};
+pub use vcpu::{VcpuState, VcpuStatus, VcpuSwitchTimes};
 pub use virtio_blk::{DiskStats, VirtioBlkState};
 pub use vm::{DiskWarmList, PendingRestore, Vm, VmConfig, VmError};

@@ -3,10 +3,10 @@
 //! state for save/restore.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvm_bindings::{
@@ -170,6 +170,27 @@ pub(crate) struct VcpuShared {
     pub snapshot: Mutex<Option<VcpuState>>,
     /// The vCPU thread's kernel id once it runs (0 before).
     pub thread_id: std::sync::atomic::AtomicI32,
+    /// When the vCPU last stopped on request and was last let run.
+    switched: [AtomicU64; 2],
+}
+
+/// When the vCPU last stopped on request (it left KVM_RUN and told its
+/// pause) and when it was last let run (its resume or release), in µs of
+/// the host's CLOCK_REALTIME since the Unix epoch; 0 for never. One clock
+/// for every process on the host, as QEMU's QMP event timestamps: a
+/// migration's stop→resume is the destination's `resumed_at_unix_us`
+/// minus the source's `paused_at_unix_us`, for both VMMs alike.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct VcpuSwitchTimes {
+    /// The last stop.
+    pub paused_at_unix_us: u64,
+    /// The last run after a stop (or the first run).
+    pub resumed_at_unix_us: u64,
+}
+
+/// Now, in µs of CLOCK_REALTIME since the Unix epoch.
+pub fn unix_micros() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 impl VcpuShared {
@@ -182,12 +203,26 @@ impl VcpuShared {
             snapshot_wanted: AtomicBool::new(false),
             snapshot: Mutex::new(None),
             thread_id: std::sync::atomic::AtomicI32::new(0),
+            switched: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
     pub(crate) fn set(&self, status: VcpuStatus) {
+        match status {
+            VcpuStatus::Paused => self.switched[0].store(unix_micros(), Ordering::Release),
+            VcpuStatus::Running => self.switched[1].store(unix_micros(), Ordering::Release),
+            _ => {}
+        }
         *self.status.lock().unwrap() = status;
         self.changed.notify_all();
+    }
+
+    /// When the vCPU last stopped and last ran again.
+    pub fn switch_times(&self) -> VcpuSwitchTimes {
+        VcpuSwitchTimes {
+            paused_at_unix_us: self.switched[0].load(Ordering::Acquire),
+            resumed_at_unix_us: self.switched[1].load(Ordering::Acquire),
+        }
     }
 
     /// Current status.

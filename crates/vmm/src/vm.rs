@@ -284,6 +284,11 @@ impl Vm {
         self.shared.get()
     }
 
+    /// When the vCPU last stopped and last ran again (wall clock).
+    pub fn switch_times(&self) -> crate::vcpu::VcpuSwitchTimes {
+        self.shared.switch_times()
+    }
+
     /// Waits up to `timeout` for the vCPU to leave the Running state.
     pub fn wait_stopped(&self, timeout: Duration) -> VcpuStatus {
         self.shared.wait_for(timeout, |s| s.is_stopped())

@@ -64,7 +64,6 @@ impl SourceRun<'_> {
         }
         self.enter(SourceState::StopAndCopy);
         let paused = Instant::now();
-        self.stats.paused_at_monotonic_s = tsubame_vmm::cpu_time::monotonic_seconds();
         let mut lap = paused;
         let mut laps = |slot: &mut f64| {
             let now = Instant::now();
@@ -77,7 +76,7 @@ impl SourceRun<'_> {
         // before, this thread reads and hashes every page, and ahead of
         // the destination's threads the whole stop took longer (the
         // commit's round trip up to 3.9 ms instead of 0.2-0.3).
-        vm.pause_for_state()?;
+        self.pause_vm()?;
         laps(&mut breakdown.pause_ms);
         // Before STATE: the destination drops its stale early copies of
         // the blocks written since the last iteration's list.
@@ -165,6 +164,16 @@ impl SourceRun<'_> {
             self.stats.cpu_seconds.destination = resumed.cpu_micros as f64 / 1e6;
         }
         self.stats.bytes_on_wire = self.engine().bytes();
+        Ok(())
+    }
+
+    /// Pauses the VM for the switch, noting when on the host's monotonic
+    /// clock (for traces) and on the Unix clock (the vCPU's own stop, which
+    /// the harness lines up with the destination's resume).
+    pub(super) fn pause_vm(&mut self) -> Result<(), SourceError> {
+        self.stats.paused_at_monotonic_s = tsubame_vmm::cpu_time::monotonic_seconds();
+        self.vm.pause_for_state()?;
+        self.stats.paused_at_unix_us = self.vm.paused_at_unix_us();
         Ok(())
     }
 

@@ -48,6 +48,12 @@ pub trait SourceVm: Sync {
     fn pause_for_state(&self) -> Result<(), VmError> {
         self.pause()
     }
+    /// When the guest last stopped, in µs of CLOCK_REALTIME since the Unix
+    /// epoch (a source without a vCPU: now, as it is asked right after
+    /// its pause).
+    fn paused_at_unix_us(&self) -> u64 {
+        tsubame_vmm::vcpu::unix_micros()
+    }
     /// Runs the guest again.
     fn resume(&self) -> Result<(), VmError>;
     /// The vCPU and device state as sent in the STATE frame.
@@ -109,6 +115,9 @@ impl SourceVm for Vm {
     }
     fn pause_for_state(&self) -> Result<(), VmError> {
         Vm::pause_for_state(self)
+    }
+    fn paused_at_unix_us(&self) -> u64 {
+        self.switch_times().paused_at_unix_us
     }
     fn state_blob(&self) -> Result<Vec<u8>, VmError> {
         Ok(self.save_state()?.encode())

@@ -96,8 +96,7 @@ impl SourceRun<'_> {
         // between the pause and the hand-over; the rest waits until after.
         let mut fresh = vm.dirty_bitmap();
         let paused = Instant::now();
-        self.stats.paused_at_monotonic_s = tsubame_vmm::cpu_time::monotonic_seconds();
-        vm.pause_for_state()?;
+        self.pause_vm()?;
         let stopped = Instant::now();
         // Pages dirtied since are populated, and not far: taken as they are.
         vm.dirty_log(&mut fresh)?;
