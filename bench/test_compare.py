@@ -487,6 +487,17 @@ def test_auto_against_the_better_fixed_granularity():
     assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 
+def test_auto_against_the_better_single_mode():
+    runs = compare.load_runs(data("ratio-runs.jsonl"))
+    auto = [r for r in runs if r["config"] == "tsubame-auto"]
+    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] is None  # neither ran
+    runs += [dict(r, config="tsubame-precopy", total_time_s=6.0) for r in auto]
+    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] is None  # one alone says nothing
+    runs += [dict(r, config="tsubame-postcopy-now", total_time_s=4.5) for r in auto]
+    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] == pytest.approx(5.0 / 4.5)
+    assert "| a | 2/3 | 1.11 |" in compare.make_table(runs)
+
+
 def test_downtime_limit_kept():
     runs = compare.load_runs(data("ratio-runs.jsonl"))
     # Case a's converged tsubame runs stopped 100 and 200 ms under a 150 ms limit; the engine expected 115 and 130.
