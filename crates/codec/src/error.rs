@@ -1,3 +1,5 @@
+//! What a decoder found wrong with its input, or a bad codec list.
+
 /// What a decoder found wrong with its input, or a bad codec list.
 ///
 /// After a decoder returns an error its caches no longer match the
