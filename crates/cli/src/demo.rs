@@ -12,10 +12,12 @@ use tsubame_migrate::{source, Address, ProgressCell};
 
 use crate::console::{ConsoleFollower, Echo};
 use crate::control::ControlClient;
+use crate::far_args::far_error;
 use crate::far_args::{BootedVm, FarArgs};
 use crate::migrate_cmd::{print_summary, progress_bar, progress_message, write_json, MigrateFlags};
-use crate::run::{far_error, far_summary, VmArgs};
+use crate::run::far_summary;
 use crate::usage_error;
+use crate::vm_args::VmArgs;
 
 /// Options of `tsubame demo`.
 #[derive(Args, Debug)]

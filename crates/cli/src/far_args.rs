@@ -9,9 +9,9 @@ use clap::Args;
 use tsubame_farmem::{FarConfig, FarSetup};
 use tsubame_vmm::Vm;
 
-use crate::run::{far_error, VmArgs};
 use crate::units::parse_size;
 use crate::usage_error;
+use crate::vm_args::VmArgs;
 
 /// Far memory's options.
 #[derive(Args, Debug, Clone, Default)]
@@ -156,5 +156,14 @@ impl FarArgs {
             stores.push(uri.parse().map_err(|e: tsubame_block::BlockError| usage_error(format!("--far-memory: {e}")))?);
         }
         Ok(Some((FarConfig { local_bytes, stores }, auto)))
+    }
+}
+
+/// A far-memory error as the CLI reports it: a bad setting is a usage
+/// error (exit status 2).
+pub fn far_error(e: tsubame_farmem::FarError) -> anyhow::Error {
+    match e {
+        tsubame_farmem::FarError::Config(_) => usage_error(e.to_string()),
+        other => anyhow::anyhow!("{other}"),
     }
 }

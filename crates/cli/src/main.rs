@@ -14,6 +14,7 @@ mod run;
 mod running_vm;
 mod trace_cmd;
 mod units;
+mod vm_args;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

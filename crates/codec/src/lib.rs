@@ -19,6 +19,7 @@
 
 pub mod batch;
 pub mod chooser;
+mod codec_list;
 pub mod dedup;
 mod error;
 pub mod rle;
@@ -27,7 +28,8 @@ mod varint;
 pub mod xbzrle;
 pub mod zero;
 
-pub use chooser::{Codec, CodecList, CodecStats, PageDecoder, PageEncoder, StatsTable};
+pub use chooser::{Codec, CodecStats, PageDecoder, PageEncoder, StatsTable};
+pub use codec_list::{CodecList, DEFAULT_DEDUP_CACHE, DEFAULT_XBZRLE_CACHE};
 pub use error::CodecError;
 
 /// Bytes per page.

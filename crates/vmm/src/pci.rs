@@ -6,8 +6,8 @@
 //! already placed (as SeaBIOS leaves it under QEMU) and interrupts are not
 //! wired (the guest polls).
 
-use serde::{Deserialize, Serialize};
-
+use crate::pci_state::{copy_out, COMMAND_IO};
+pub use crate::pci_state::{PciFunctionState, DEFAULT_BAR0};
 use crate::virtio_blk::{VirtioBlk, REGISTERS_LEN};
 
 /// The configuration address port.
@@ -17,31 +17,12 @@ pub const CONFIG_DATA: u16 = 0xCFC;
 
 /// The disk's slot on bus 0.
 pub const DISK_DEVICE: u8 = 1;
-/// Where BAR0 starts until the guest moves it.
-pub const DEFAULT_BAR0: u16 = 0xC000;
 
 /// Red Hat's virtio vendor ID, and the legacy (transitional) block device.
 const VIRTIO_VENDOR: u16 = 0x1AF4;
 const VIRTIO_BLK_LEGACY_DEVICE: u16 = 0x1001;
 /// Mass storage, SCSI: what QEMU reports for virtio-blk.
 const CLASS_STORAGE_SCSI: u32 = 0x0100;
-/// I/O space enable in the command register.
-const COMMAND_IO: u16 = 1;
-
-/// The PCI function's guest-visible settings that migrate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PciFunctionState {
-    /// The command register.
-    pub command: u16,
-    /// BAR0's I/O base.
-    pub bar0: u16,
-}
-
-impl Default for PciFunctionState {
-    fn default() -> Self {
-        PciFunctionState { command: COMMAND_IO, bar0: DEFAULT_BAR0 }
-    }
-}
 
 /// BAR0's size: the legacy registers rounded up to a power of two.
 const BAR0_SIZE: u16 = REGISTERS_LEN.next_power_of_two();
@@ -160,13 +141,6 @@ impl PciBus {
             return false;
         }
         true
-    }
-}
-
-/// Copies the bytes of `register` from `at` into `data` (0xFF past its end).
-pub(crate) fn copy_out(register: &[u8], at: usize, data: &mut [u8]) {
-    for (i, byte) in data.iter_mut().enumerate() {
-        *byte = register.get(at + i).copied().unwrap_or(0xFF);
     }
 }
 

@@ -15,7 +15,9 @@
 
 use std::io::{Read, Write};
 
-use super::{flags, io_error, NbdError, NbdUri};
+use super::error::{io_error, NbdError};
+use super::flags;
+use super::uri::NbdUri;
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 const IHAVEOPT: u64 = 0x4948_4156_454f_5054;

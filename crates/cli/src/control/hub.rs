@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use super::{ControlHandler, VmState};
+use super::handler::{ControlHandler, VmState};
 
 /// How often the VM's state is looked at for events.
 pub const TICK: Duration = Duration::from_millis(10);

@@ -17,7 +17,7 @@
 //!   |            <-- {"event":"MIGRATION","data":{...},"timestamp":{...}}
 //! ```
 //!
-//! `session.rs` reads lines (at most [`MAX_REQUEST`] bytes each; a longer
+//! `session.rs` reads lines (at most [`session::MAX_REQUEST`] bytes each; a longer
 //! one is skipped to its newline and answered with one error) and picks
 //! the form; `qmp.rs` maps QEMU's commands onto the handler's; `hub.rs`
 //! knows the sessions, sends events, and lets the process end only once
@@ -25,6 +25,7 @@
 //! the `{"cmd":...}` client `tsubame migrate` and `trace` use.
 
 mod client;
+mod handler;
 mod hub;
 pub(crate) mod qmp;
 mod session;
@@ -34,40 +35,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
-
 pub use client::{ControlClient, SocketClosed};
+pub use handler::{ControlHandler, VmState};
 use hub::Hub;
-
-/// Longest request line accepted.
-pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// How long the process waits, at most, after its VM migrated away (or
 /// it was asked to quit) for its last replies and events to go out.
 pub const LINGER: Duration = Duration::from_secs(5);
-
-/// What the events are made from: the VM's state as the process sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VmState {
-    /// The vCPU runs.
-    pub running: bool,
-    /// The latest migration of this VM: its number (1, 2, ...) and its
-    /// QEMU status (`setup`, `active`, `postcopy-active`,
-    /// `postcopy-paused`, `completed`, `failed`).
-    pub migration: Option<(u64, &'static str)>,
-}
-
-/// Answers control requests.
-pub trait ControlHandler: Send + Sync + 'static {
-    /// Handles one command (tsubame's names); `Ok` fields are merged into
-    /// the reply.
-    fn handle(&self, cmd: &str, request: &Value) -> Result<Value, String>;
-
-    /// The state events are made from; `None` while there is no VM.
-    fn state(&self) -> Option<VmState> {
-        None
-    }
-}
 
 /// A listening control socket; the file is removed on drop.
 pub struct ControlServer {

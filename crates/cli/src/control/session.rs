@@ -9,7 +9,10 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::hub::{Hub, Session};
-use super::{qmp, MAX_REQUEST};
+use super::qmp;
+
+/// Longest request line accepted.
+pub const MAX_REQUEST: usize = 64 * 1024;
 
 /// A request, or what is left of one over the limit.
 #[derive(Debug, PartialEq, Eq)]

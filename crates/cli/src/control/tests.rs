@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Value};
 
 use super::hub::transitions;
-use super::session::{read_line, Line};
+use super::session::{read_line, Line, MAX_REQUEST};
 use super::*;
 
 /// A handler with a pretend VM: `pause`/`resume` flip `running`,

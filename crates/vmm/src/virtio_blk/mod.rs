@@ -32,7 +32,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use crate::memory::GuestMemory;
-use crate::pci::{copy_out, PciFunctionState};
+use crate::pci_state::{copy_out, PciFunctionState};
 
 /// Bytes of the register block (BAR0 is this rounded up to a power of 2).
 pub const REGISTERS_LEN: u16 = 0x2C;
