@@ -8,53 +8,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use common::{control, kvm_or_skip, scratch, spawn_receive, tsubame, wait_for_socket, wait_stats, Proc};
+use common::{control, kvm_or_skip, scratch, spawn_receive, tsubame, wait_for_socket, wait_stats, MemoryHost, Proc};
 use serde_json::{json, Value};
-
-/// `nbdkit memory SIZE` on a unix socket, killed on drop.
-struct MemoryHost {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl MemoryHost {
-    fn start(dir: &Path, name: &str, size: &str) -> MemoryHost {
-        let socket = dir.join(format!("{name}.sock"));
-        let child = Command::new("nbdkit")
-            .args(["-f", "--exit-with-parent", "-U"])
-            .arg(&socket)
-            .args(["memory", size])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run nbdkit ({e}): install it (apt-get install nbdkit)"));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(Instant::now() < deadline, "nbdkit did not listen on {}", socket.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        MemoryHost { child, socket }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.socket.display())
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for MemoryHost {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// `tsubame run` of a 128 MiB VM with 32 MiB local and the rest far.
 fn run_far(control_sock: &Path, workload: &str, far: &[String]) -> Proc {

@@ -187,3 +187,44 @@ pub fn migrate_via(
     let stats = std::fs::read_to_string(json).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or_default();
     (out.status.code(), text, stats)
 }
+
+/// `nbdkit memory SIZE` on a unix socket, killed on drop.
+pub struct MemoryHost {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl MemoryHost {
+    pub fn start(dir: &std::path::Path, name: &str, size: &str) -> MemoryHost {
+        let socket = dir.join(format!("{name}.sock"));
+        let child = Command::new("nbdkit")
+            .args(["-f", "--exit-with-parent", "-U"])
+            .arg(&socket)
+            .args(["memory", size])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run nbdkit ({e}): install it (apt-get install nbdkit)"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(std::time::Instant::now() < deadline, "nbdkit did not listen on {}", socket.display());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        MemoryHost { child, socket }
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for MemoryHost {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

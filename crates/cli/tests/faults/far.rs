@@ -9,55 +9,14 @@
 //! pages nowhere: the copy that holds the VM must pause, say "far memory
 //! lost" and never run on with wrong memory.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::common::{scratch, try_control as control, tsubame, wait_for_socket, Proc};
+use crate::common::{scratch, try_control as control, tsubame, wait_for_socket, MemoryHost, Proc};
 use crate::{read, Outcome, Rng};
-
-/// `nbdkit memory SIZE` on a unix socket, killed on drop.
-struct MemoryHost {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl MemoryHost {
-    fn start(dir: &Path, name: &str) -> MemoryHost {
-        let socket = dir.join(format!("{name}.sock"));
-        let child = Command::new("nbdkit")
-            .args(["-f", "--exit-with-parent", "-U"])
-            .arg(&socket)
-            .args(["memory", "128M"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nbdkit runs (checked before the campaign)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(Instant::now() < deadline, "nbdkit did not listen on {}", socket.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        MemoryHost { child, socket }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.socket.display())
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for MemoryHost {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// Which hosts die, and when.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -129,7 +88,7 @@ fn paused_for_far_loss(socket: &Path) -> Result<(), String> {
 
 pub fn trial(index: usize, rng: &mut Rng, point: FarPoint) -> Outcome {
     let dir = scratch(&format!("faults-far-{index}"));
-    let mut hosts = [MemoryHost::start(&dir, "first"), MemoryHost::start(&dir, "second")];
+    let mut hosts = [MemoryHost::start(&dir, "first", "128M"), MemoryHost::start(&dir, "second", "128M")];
     let uris = format!("{},{}", hosts[0].uri(), hosts[1].uri());
     let (source_sock, dest_sock, incoming) = (dir.join("source.sock"), dir.join("dest.sock"), dir.join("in.sock"));
     let dest_log = dir.join("dest.log");
