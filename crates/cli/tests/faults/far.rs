@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::common::{scratch, try_control as control, tsubame, wait_for_socket, MemoryHost, Proc};
-use crate::{read, Outcome, Rng};
+use crate::{migration_end, read, Outcome, Rng};
 
 /// Which hosts die, and when.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -123,16 +123,7 @@ pub fn trial(index: usize, rng: &mut Rng, point: FarPoint) -> Outcome {
         hosts[1 - victim].kill();
     }
     if point.migrating {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline && source.alive() {
-            match control(&source_sock, &json!({"cmd": "query-migrate"})) {
-                Some(q) if q["status"] != "active" => {
-                    source_query = q;
-                    break;
-                }
-                _ => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+        source_query = migration_end(&mut source, &source_sock);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let log = read(&dest_log);

@@ -140,6 +140,20 @@ const MIX: [Mode; 20] = {
     ]
 };
 
+/// The source's `query-migrate` reply once its migration ended (no longer
+/// "active"); Null when the source went away or 60 s passed first.
+pub fn migration_end(source: &mut Proc, socket: &Path) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        match control(socket, &json!({"cmd": "query-migrate"})) {
+            Some(q) if q["status"] != "active" => return q,
+            None if !source.alive() => break,
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    Value::Null
+}
+
 pub fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use crate::common::{scratch, spawn_run, try_control as control, wait_for_socket};
 use crate::proxy::{Action, Point, Proxy};
-use crate::{guest_progresses, read, Outcome, Rng};
+use crate::{guest_progresses, migration_end, read, Outcome, Rng};
 
 const VM: &[&str] = &["--memory", "64M", "--workload", "kv", "--workload-arg", "wss=16M"];
 
@@ -49,17 +49,7 @@ pub fn trial(index: usize, rng: &mut Rng, action: Action, point: Point) -> Outco
     }
     // The source's migration ends (completed or failed), or the source is
     // gone: it exits once the VM is all at the destination.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut source_query = Value::Null;
-    while Instant::now() < deadline && source.alive() {
-        match control(&source_sock, &json!({"cmd": "query-migrate"})) {
-            Some(q) if q["status"] != "active" => {
-                source_query = q;
-                break;
-            }
-            _ => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
+    let source_query = migration_end(&mut source, &source_sock);
     // The destination settles: done, failed, gone, or never switched.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::common::{scratch, spawn_run, try_control as control, wait_for_socket};
 use crate::proxy::{Action, Point, Proxy};
-use crate::{acked, guest_progresses, read, Outcome, Rng};
+use crate::{acked, guest_progresses, migration_end, read, Outcome, Rng};
 
 /// How the two ends talk.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -119,19 +119,7 @@ fn trial_outcome(
     }
 
     // Wait until the source's migration ended (or the source is gone).
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut source_query = Value::Null;
-    while Instant::now() < deadline {
-        match control(&source_sock, &json!({"cmd": "query-migrate"})) {
-            Some(q) if q["status"] == "active" => std::thread::sleep(Duration::from_millis(50)),
-            Some(q) => {
-                source_query = q;
-                break;
-            }
-            None if !source.alive() => break,
-            None => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
+    let source_query = migration_end(&mut source, &source_sock);
     proxy.stop.store(true, std::sync::atomic::Ordering::Release);
     // Wait until the destination settled: runs the VM, failed, or is gone.
     let deadline = Instant::now() + Duration::from_secs(45);
