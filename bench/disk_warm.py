@@ -47,14 +47,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tsubame_bench import HarnessError  # noqa: E402
-from tsubame_bench.console import parse_progress  # noqa: E402
-from tsubame_bench.control import control_request  # noqa: E402
-from tsubame_bench.link import Link, remove_stale_namespaces  # noqa: E402
-from tsubame_bench.procs import Proc, connect_unix, follow_console_socket, stop_all_processes, stop_process, wait_for_path  # noqa: E402
-from tsubame_bench.qmp import Qmp  # noqa: E402
-from tsubame_bench.units import parse_rate  # noqa: E402
+from tsubame_bench import HarnessError
+from tsubame_bench.console import parse_progress
+from tsubame_bench.control import control_request
+from tsubame_bench.link import Link, remove_stale_namespaces
+from tsubame_bench.procs import Proc, connect_unix, follow_console_socket, stop_all_processes, stop_process, wait_for_path
+from tsubame_bench.qmp import Qmp
+from tsubame_bench.units import parse_rate
 
 PORT = 47310
 CONFIGS = ["tsubame-cold", "tsubame-source-warm", "tsubame-warm", "qemu"]

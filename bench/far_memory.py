@@ -42,11 +42,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tsubame_bench.console import TSC_KHZ_RE, LineLog, progress_points  # noqa: E402
-from tsubame_bench.control import control_request  # noqa: E402
-from tsubame_bench.link import Link, remove_stale_namespaces  # noqa: E402
-from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
+from tsubame_bench.console import TSC_KHZ_RE, LineLog, progress_points
+from tsubame_bench.control import control_request
+from tsubame_bench.link import Link, remove_stale_namespaces
+from tsubame_bench.units import parse_rate, parse_size
 
 CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram", "qemu-swap-disk", "qemu-swap-zram"]
 MIGRATE_CONFIGS = ["migrate-local", "migrate-far"]

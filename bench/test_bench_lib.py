@@ -1,18 +1,14 @@
 """Unit tests of bench/tsubame_bench (no KVM, no root needed)."""
 import json
-import os
 import stat
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tsubame_bench import HarnessError  # noqa: E402
-from tsubame_bench.console import guest_stall, parse_progress, progress_points, stall_ms  # noqa: E402
-from tsubame_bench.qmp import event_unix_s, stop_resume_ms  # noqa: E402
-from tsubame_bench.demo import migration_cpu, run_demo  # noqa: E402
-from tsubame_bench.units import parse_rate, parse_size  # noqa: E402
+from tsubame_bench import HarnessError
+from tsubame_bench.console import guest_stall, parse_progress, progress_points, stall_ms
+from tsubame_bench.qmp import event_unix_s, stop_resume_ms
+from tsubame_bench.demo import migration_cpu, run_demo
+from tsubame_bench.units import parse_rate, parse_size
 
 
 def test_progress_lines_with_and_without_extra_fields():

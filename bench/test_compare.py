@@ -22,14 +22,13 @@ import sys
 
 import pytest
 
+import compare
+import tsubame_bench
+from tsubame_bench import console, demo, link, procs, qmp, units
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DATA = os.path.join(HERE, "testdata")
-sys.path.insert(0, HERE)
-
-import compare  # noqa: E402
-import tsubame_bench  # noqa: E402
-from tsubame_bench import console, demo, link, procs, qmp, units  # noqa: E402
 
 
 def data(name):

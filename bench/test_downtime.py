@@ -23,17 +23,14 @@ test also qemu-system-x86_64. Without them the tests are skipped.
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tsubame_bench.console import TSC_KHZ_RE, parse_progress, stall_ms  # noqa: E402
-from tsubame_bench.control import control_request  # noqa: E402
-from tsubame_bench.procs import Proc, follow_console_socket, stop_process, wait_for_path  # noqa: E402
-from tsubame_bench.qmp import Qmp, stop_resume_ms  # noqa: E402
+from tsubame_bench.console import TSC_KHZ_RE, parse_progress, stall_ms
+from tsubame_bench.control import control_request
+from tsubame_bench.procs import Proc, follow_console_socket, stop_process, wait_for_path
+from tsubame_bench.qmp import Qmp, stop_resume_ms
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
