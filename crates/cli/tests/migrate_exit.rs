@@ -38,13 +38,16 @@ fn a_completed_post_copy_migration_exits_0_with_its_statistics_20_times() {
         let (source_sock, dest_sock) = (dir.join("source.sock"), dir.join("dest.sock"));
         let incoming = dir.join("incoming.sock");
         let mut source = spawn_run(&source_sock, &VM, Stdio::null());
-        let dest = spawn_receive(&incoming, Some(&dest_sock), Stdio::null());
+        // The destination's lines, for a round that fails.
+        let dest_log = dir.join("dest.log");
+        let dest = spawn_receive(&incoming, Some(&dest_sock), std::fs::File::create(&dest_log).unwrap().into());
         wait_for_socket(&source_sock);
         wait_for_socket(&dest_sock);
         let json_path = dir.join("stats.json");
         let to = format!("unix:{}", incoming.display());
         let (code, text, stats) = migrate_via(&source_sock, &to, &json_path, &["--postcopy", "after=0"]);
-        assert_eq!(code, Some(0), "round {round}: {text}");
+        let dest_lines = || std::fs::read_to_string(&dest_log).unwrap_or_default();
+        assert_eq!(code, Some(0), "round {round}: {text}\ndestination:\n{}", dest_lines());
         assert_eq!(stats["status"], "completed", "round {round}: {stats}");
         assert!(stats["postcopy"].is_object(), "round {round}: not post-copy: {stats}");
         assert!(text.contains("migration completed"), "round {round}: {text}");
