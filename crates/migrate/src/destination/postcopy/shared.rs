@@ -337,7 +337,14 @@ impl PostcopyShared {
                 reader.lock().unwrap().read_page(page, hash, &mut data).map_err(|e| e.to_string())?;
                 self.faults.install(page, &data).map(drop).map_err(|e| format!("installing a far page: {e}"))
             }
-            _ => self.faults.install_zero(page).map(drop).map_err(|e| format!("installing a zero page: {e}")),
+            _ => match self.faults.install_zero(page) {
+                Ok(_) => Ok(()),
+                // The last missing page came meanwhile and memory was
+                // unregistered (UFFDIO_ZEROPAGE then fails with ENOENT): the
+                // kernel serves this fault itself now, with zeros.
+                Err(_) if self.far.is_none() && self.remaining.load(Ordering::Acquire) == 0 => Ok(()),
+                Err(e) => Err(format!("installing a zero page: {e}")),
+            },
         }
     }
 
