@@ -23,8 +23,10 @@ const FAR_FROM_CONVERGING: f64 = 2.0;
 /// of the short look's is the guest's own, not a small hot set's (whose
 /// rate halves as the look doubles): then [`NOT_CONVERGING`] suffices.
 const STEADY: f64 = 0.8;
-/// How often a long first iteration checks the guest's dirtying.
+/// How often a long first iteration checks the guest's dirtying, and how
+/// often while the probes look (each check reads the dirty log).
 const CHECK_EVERY: Duration = Duration::from_millis(50);
+const PROBE_CHECK_EVERY: Duration = Duration::from_millis(10);
 /// One word (64 pages) of the dirty log in this many is a probe.
 const PROBE_EVERY: usize = 16;
 /// How far past what the link carries in the downtime limit the probes
@@ -33,6 +35,20 @@ const PROBE_EVERY: usize = 16;
 const PROBE_MARGIN: f64 = 2.0;
 /// Dirtied probe pages to see before their share counts.
 const PROBE_SEEN: u64 = 16;
+/// Probes out this long that show the guest writing data at
+/// [`NOT_CONVERGING`] of the link's rate hand over even where a stop could
+/// fit the limit: each page sent meanwhile that the guest rewrites goes
+/// twice, and post-copy sends each page once. The sooner the better: a kv
+/// guest over 64 MiB at 1 Gbit/s took 0.59 s by post-copy at once, 0.71 by
+/// pre-copy alone, 0.98 handed over after the 250 ms look, having sent 40
+/// MB of which most went again, and 0.70 after a 50 ms look. The rate must
+/// be [`STEADY`] since half the look: a small hot set, which a short look
+/// shows as a fast rate, has it halve as the look doubles (its pages count
+/// once), and pre-copy sends it again at little cost.
+const PROBE_LOOK: Duration = Duration::from_millis(25);
+/// Dirtied probe pages read to tell zero pages from data (zeros cost a
+/// record, not a page: a guest clearing memory outruns no link).
+const ZERO_SAMPLE: usize = 256;
 
 /// Watches a first iteration that sends memory in a strided order (so the
 /// pages out so far sample all of memory evenly) for a guest that dirties
@@ -56,6 +72,8 @@ pub struct HandoverWatch {
     probed_at: std::time::Instant,
     /// Per word of the log: sent since the probes were cleared.
     sent_words: Vec<bool>,
+    /// The probes' looks so far: (exposure in seconds, rate, pages seen).
+    probe_looks: Vec<(f64, f64, u64)>,
 }
 
 /// What a sample of pages shows of the guest's writes.
@@ -105,6 +123,7 @@ impl HandoverWatch {
             probes: Vec::new(),
             probed_at: now,
             sent_words: Vec::new(),
+            probe_looks: Vec::new(),
         }
     }
 
@@ -120,6 +139,7 @@ impl HandoverWatch {
         }
         self.sent_words = vec![false; words.len()];
         self.probed_at = std::time::Instant::now();
+        self.probe_looks.clear();
         mask
     }
 
@@ -132,11 +152,13 @@ impl HandoverWatch {
         }
     }
 
-    /// True when the probes show the guest writing more than
-    /// [`PROBE_MARGIN`] times what the link carries in the downtime limit,
-    /// in less than that limit (then no iteration can ever end with less
-    /// than that dirty: pre-copy cannot converge), or the pages out for
-    /// about [`EXPOSURE`] show it dirtying memory at [`NOT_CONVERGING`] of
+    /// True when the probes show the guest writing data (not zeros:
+    /// `is_zero` reads a page) at [`NOT_CONVERGING`] of the link's rate
+    /// over [`PROBE_LOOK`] and steadily since half of it, or sooner at
+    /// [`FAR_FROM_CONVERGING`] times it and more than [`PROBE_MARGIN`]
+    /// times what the link carries in the downtime limit (then no
+    /// iteration can ever end with less than that dirty), or the pages out
+    /// for about [`EXPOSURE`] show it dirtying memory at [`NOT_CONVERGING`] of
     /// `link` bytes per second or more, or those out for about twice
     /// [`SHORT_EXPOSURE`] do and the rate is [`STEADY`], or those out for
     /// about [`SHORT_EXPOSURE`] show it at [`FAR_FROM_CONVERGING`] of it.
@@ -149,22 +171,31 @@ impl HandoverWatch {
         pages_total: u64,
         dirty: &mut DirtyBitmap,
         peek: impl FnOnce(&mut DirtyBitmap) -> bool,
+        is_zero: impl Fn(u64) -> bool,
     ) -> bool {
         let now = std::time::Instant::now();
-        if now - self.last_check < CHECK_EVERY || link <= 0.0 {
+        let probing = !self.probes.is_empty() && now - self.probed_at <= self.limit;
+        let every = if probing { PROBE_CHECK_EVERY } else { CHECK_EVERY };
+        if now - self.last_check < every || link <= 0.0 {
             return false;
         }
         self.last_check = now;
         let short = self.sample(now, SHORT_EXPOSURE);
-        let probing = !self.probes.is_empty() && now - self.probed_at <= self.limit;
         if (short.len() < 4 && !probing) || !peek(dirty) {
             return false;
         }
         let limit = self.limit.as_secs_f64();
-        let never_converges = probing.then(|| self.probe_look(dirty, now, pages_total)).filter(|probe| {
+        let probe = probing.then(|| self.probe_look(dirty, now, pages_total, &is_zero));
+        if let Some(probe) = &probe {
+            self.probe_looks.push((probe.exposure, probe.rate, probe.dirtied));
+        }
+        let never_converges = probe.filter(|probe| {
             probe.dirtied >= PROBE_SEEN
-                && probe.rate * probe.exposure >= PROBE_MARGIN * link * limit
-                && probe.rate >= FAR_FROM_CONVERGING * link
+                && ((probe.exposure >= PROBE_LOOK.as_secs_f64()
+                    && probe.rate >= NOT_CONVERGING * link
+                    && self.steady_since_half(probe))
+                    || (probe.rate >= FAR_FROM_CONVERGING * link
+                        && probe.rate * probe.exposure >= PROBE_MARGIN * link * limit))
         });
         let rate = |sample: &[(std::time::Instant, u64, u64)]| {
             if sample.len() >= 4 {
@@ -189,18 +220,47 @@ impl HandoverWatch {
         self.seen.is_some()
     }
 
-    /// What the probes not yet sent show.
-    fn probe_look(&self, dirty: &DirtyBitmap, now: std::time::Instant, pages_total: u64) -> Look {
+    /// Whether an earlier probe look, over about half of `probe`'s, saw
+    /// at least [`STEADY`] of its rate, with pages enough to tell.
+    fn steady_since_half(&self, probe: &Look) -> bool {
+        let half = probe.exposure / 2.0;
+        self.probe_looks
+            .iter()
+            .filter(|&&(exposure, _, seen)| (0.6 * half..=1.4 * half).contains(&exposure) && seen >= PROBE_SEEN / 2)
+            .min_by(|a, b| (a.0 - half).abs().total_cmp(&(b.0 - half).abs()))
+            .is_some_and(|&(_, rate, _)| probe.rate >= STEADY * rate)
+    }
+
+    /// What the probes not yet sent show: their dirtied pages that hold
+    /// data, by the share of a sample of them read.
+    fn probe_look(
+        &self,
+        dirty: &DirtyBitmap,
+        now: std::time::Instant,
+        pages_total: u64,
+        is_zero: impl Fn(u64) -> bool,
+    ) -> Look {
         let unsent: Vec<usize> = self.probes.iter().copied().filter(|&w| !self.sent_words[w]).collect();
-        let dirtied = unsent.iter().map(|&w| dirty.words()[w].count_ones() as u64).sum();
-        Look::new(dirtied, unsent.len() as u64 * 64, (now - self.probed_at).as_secs_f64(), pages_total)
+        let dirtied: Vec<u64> = unsent
+            .iter()
+            .flat_map(|&w| {
+                let word = dirty.words()[w];
+                (0..64u64).filter(move |b| word >> b & 1 == 1).map(move |b| w as u64 * 64 + b)
+            })
+            .collect();
+        let step = dirtied.len().div_ceil(ZERO_SAMPLE).max(1);
+        let sample: Vec<u64> = dirtied.iter().copied().step_by(step).collect();
+        let data = sample.iter().filter(|&&p| !is_zero(p)).count();
+        let with_data = (dirtied.len() as f64 * data as f64 / sample.len().max(1) as f64).round() as u64;
+        Look::new(with_data, unsent.len() as u64 * 64, (now - self.probed_at).as_secs_f64(), pages_total)
     }
 
     /// Why it handed over, for the summary and the JSON's `choices`.
     pub fn why(&self) -> String {
         match self.seen {
             Some((guest, link, look)) => format!(
-                "the guest dirtied memory at {:.0} MB/s over {} ms of its first iteration, the link carries {:.0} MB/s",
+                "the guest dirtied memory at {:.0} MB/s over {} ms of its first iteration, the link carries {:.0} MB/s: \
+                 pre-copy would send the pages it rewrites again, post-copy sends each once",
                 guest / 1e6,
                 look.as_millis(),
                 link / 1e6
@@ -274,11 +334,11 @@ mod tests {
             }
             true
         };
-        assert!(watch.handover(40e6, 65536, &mut dirty, mark), "44 MB/s against a 40 MB/s link");
+        assert!(watch.handover(40e6, 65536, &mut dirty, mark, |_| false), "44 MB/s against a 40 MB/s link");
         watch.last_check = long_ago;
-        assert!(!watch.handover(100e6, 65536, &mut dirty, mark), "44 MB/s against 100 MB/s");
+        assert!(!watch.handover(100e6, 65536, &mut dirty, mark, |_| false), "44 MB/s against 100 MB/s");
         watch.last_check = long_ago;
-        assert!(!watch.handover(40e6, 65536, &mut dirty, |_| false), "no look at the log, no handover");
+        assert!(!watch.handover(40e6, 65536, &mut dirty, |_| false, |_| false), "no look at the log, no handover");
     }
 
     #[test]
@@ -300,23 +360,30 @@ mod tests {
         };
         // Everything out 0.3 s ago dirtied again: 256 MiB per 0.3 s.
         watch.last_check = lately;
-        assert!(watch.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(1024)), "~900 MB/s vs 100 MB/s");
+        assert!(
+            watch.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(1024), |_| false),
+            "~900 MB/s vs 100 MB/s"
+        );
         // A quarter of it: ~220 MB/s, not twice a 150 MB/s link; the long
         // look has nothing to say yet.
         watch.last_check = lately;
-        assert!(!watch.handover(150e6, 65536, &mut DirtyBitmap::new(65536), mark(256)), "~220 MB/s vs 150 MB/s");
+        assert!(
+            !watch.handover(150e6, 65536, &mut DirtyBitmap::new(65536), mark(256), |_| false),
+            "~220 MB/s vs 150 MB/s"
+        );
     }
 
     #[test]
     fn handover_at_the_first_look_when_the_guest_dirties_more_than_the_limit_carries() {
         // 256 MiB of memory, a 100 MB/s link, 300 ms: 30 MB go out in the
-        // limit. The probes were cleared 75 ms ago; `share` of each
-        // unsent one's pages is dirty again.
+        // limit. The probes were cleared 40 ms ago (less than a look:
+        // only a guest that no stop could keep up with counts); `share` of
+        // each unsent one's pages is dirty again.
         let watch = |limit_ms: u64| {
             let mut watch = HandoverWatch::new(Duration::from_millis(limit_ms));
             let mask = watch.probe(&DirtyBitmap::full(65536));
             assert_eq!(mask.iter().filter(|&&w| w == u64::MAX).count(), 1024 / PROBE_EVERY);
-            watch.probed_at = std::time::Instant::now() - Duration::from_millis(75);
+            watch.probed_at = std::time::Instant::now() - Duration::from_millis(40);
             watch.last_check = watch.probed_at;
             watch
         };
@@ -328,13 +395,13 @@ mod tests {
                 true
             }
         };
-        // Half of them: 134 MB in 75 ms.
+        // Half of them: 134 MB in 40 ms.
         let mut w = watch(300);
-        assert!(w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32)), "134 MB in 75 ms");
-        assert!(w.why().contains("over 75 ms"), "{}", w.why());
+        assert!(w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32), |_| false), "134 MB in 40 ms");
+        assert!(w.why().contains("over 40 ms"), "{}", w.why());
         // A tenth: 25 MB, which the limit could carry.
         let mut w = watch(300);
-        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(6)), "25 MB in 75 ms");
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(6), |_| false), "25 MB in 40 ms");
         // Probes sent since say nothing: half of them out, their bits
         // (dirtied since) not counted, too few left dirty to count.
         let mut w = watch(300);
@@ -345,10 +412,46 @@ mod tests {
             }
             true
         };
-        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), few), "sent probes");
-        // Under a 50 ms limit 75 ms say nothing of what 50 ms would show.
-        let mut w = watch(50);
-        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32)), "a 50 ms limit");
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), few, |_| false), "sent probes");
+        // Under a 30 ms limit 40 ms say nothing of what 30 ms would show.
+        let mut w = watch(30);
+        assert!(!w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32), |_| false), "a 30 ms limit");
+    }
+
+    #[test]
+    fn handover_after_a_look_at_data_written_about_as_fast_as_the_link_carries() {
+        // As above, the probes out 120 ms: 7 pages in 64 dirtied, 29 MB,
+        // ~245 MB/s against 100 MB/s, as 60 ms before. A stop could carry
+        // it, but pages sent meanwhile would go twice. Not against 300 MB/s.
+        let watch_after = |early_rate: f64| {
+            let mut watch = HandoverWatch::new(Duration::from_millis(300));
+            watch.probe(&DirtyBitmap::full(65536));
+            watch.probed_at = std::time::Instant::now() - Duration::from_millis(120);
+            watch.last_check = watch.probed_at;
+            watch.probe_looks.push((0.06, early_rate, 500));
+            watch
+        };
+        let watch = || watch_after(245e6);
+        let tenth = |d: &mut DirtyBitmap| {
+            for w in (0..1024).step_by(PROBE_EVERY) {
+                d.words_mut()[w] = (1u64 << 7) - 1;
+            }
+            true
+        };
+        assert!(watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false), "data");
+        assert!(!watch().handover(300e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false), "a faster link");
+        // Zeros written: a record each, not a page.
+        assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| true), "zeros");
+        // One page in four holds data: ~60 MB/s.
+        let quarter = |p: u64| !p.is_multiple_of(4);
+        assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, quarter), "mostly zeros");
+        // Twice the rate 60 ms before: a hot set, whose pages count once.
+        let mut hot = watch_after(490e6);
+        assert!(!hot.handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false), "a hot set");
+        // Without a look at half of it, none.
+        let mut unseen = watch();
+        unseen.probe_looks.clear();
+        assert!(!unseen.handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false), "no earlier look");
     }
 
     #[test]
@@ -374,9 +477,12 @@ mod tests {
         // 65536 pages of 4 KiB: 30 % of memory in 0.3 s, 60 % in 0.6 s is
         // ~270 MB/s either way, above 0.9 of a 250 MB/s link.
         watch.last_check = now - Duration::from_secs(1);
-        assert!(watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 614)), "a steady 270 MB/s");
+        assert!(
+            watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 614), |_| false),
+            "a steady 270 MB/s"
+        );
         // A hot set: the same share in 0.3 s and in 0.6 s (the rate halves).
         watch.last_check = now - Duration::from_secs(1);
-        assert!(!watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 307)), "a hot set");
+        assert!(!watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 307), |_| false), "a hot set");
     }
 }
