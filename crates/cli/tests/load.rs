@@ -9,7 +9,7 @@ mod common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{control, kvm_or_skip, scratch, try_control, tsubame, wait_for_socket, Proc};
+use common::{ask, control, kvm_or_skip, scratch, tsubame, wait_for_socket, Proc};
 use serde_json::{json, Value};
 
 const VMS: usize = 8;
@@ -84,14 +84,17 @@ fn eight_vms_migrate_at_once() {
         // its threads wait on (two runs in five of the whole suite, once
         // after the fault campaign, saw one stop answering, always the one
         // that converged in pre-copy while the others switched to post-copy).
-        let unanswered = |procs: &mut Vec<Proc>, which: &str| -> ! {
-            let dest = &mut procs[2 * i + 1].0;
-            let (pid, status) = (dest.id(), dest.try_wait());
-            panic!("VM {i}: no reply to its {which} stats; destination {pid} ({status:?}):{}", threads_of(pid));
+        let mut stats = |which: &str| match ask(&sock, &json!({"cmd": "stats"})) {
+            Ok(reply) => reply,
+            Err(why) => {
+                let dest = &mut procs[2 * i + 1].0;
+                let (pid, status) = (dest.id(), dest.try_wait());
+                panic!("VM {i}: {which} stats: {why}; destination {pid} ({status:?}):{}", threads_of(pid));
+            }
         };
-        let Some(first) = try_control(&sock, &json!({"cmd": "stats"})) else { unanswered(&mut procs, "first") };
+        let first = stats("first");
         std::thread::sleep(Duration::from_millis(300));
-        let Some(later) = try_control(&sock, &json!({"cmd": "stats"})) else { unanswered(&mut procs, "second") };
+        let later = stats("second");
         assert_eq!(later["status"], "running", "VM {i} at destination: {later}");
         assert!(later["guest"]["ops"].as_u64() > first["guest"]["ops"].as_u64(), "VM {i}: {first} then {later}");
         assert!(later["guest"]["error"].is_null(), "VM {i}: {later}");

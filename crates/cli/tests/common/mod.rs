@@ -64,25 +64,30 @@ pub fn wait_for_socket(path: &std::path::Path) -> std::os::unix::net::UnixStream
     }
 }
 
-/// Sends one control request (`{"cmd":...}`, on a connection of its
-/// own); None when nobody answers (the process is
-/// gone, or silent for 10 s).
-pub fn try_control(socket: &std::path::Path, request: &serde_json::Value) -> Option<serde_json::Value> {
-    use std::io::{Read, Write};
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok()?;
-    stream.write_all(format!("{request}\n").as_bytes()).ok()?;
+/// Sends one control request on a new connection and returns the reply,
+/// or what went wrong (the server's QMP greeting is skipped).
+pub fn ask(socket: &std::path::Path, request: &serde_json::Value) -> Result<serde_json::Value, String> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    stream.write_all(format!("{request}\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
+    // read_line goes on after EINTR; a bare read returns it as an error.
+    let mut reader = BufReader::new(stream);
+    let mut greeting = String::new();
     loop {
-        let mut reply = Vec::new();
-        let mut byte = [0u8; 1];
-        while stream.read(&mut byte).ok()? == 1 && byte[0] != b'\n' {
-            reply.push(byte[0]);
-        }
-        // The server's first line is QMP's greeting: not the reply.
-        if !reply.starts_with(b"{\"QMP\"") {
-            return serde_json::from_slice(&reply).ok();
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) => return Err(format!("connection closed (after {greeting:?})")),
+            Ok(_) if line.starts_with("{\"QMP\"") => greeting = line,
+            Ok(_) => return serde_json::from_str(&line).map_err(|e| format!("{e} in {line:?}")),
+            Err(e) => return Err(format!("read: {e} ({:?}; after {greeting:?})", e.kind())),
         }
     }
+}
+
+/// [`ask`], None when it went wrong.
+pub fn try_control(socket: &std::path::Path, request: &serde_json::Value) -> Option<serde_json::Value> {
+    ask(socket, request).ok()
 }
 
 /// Sends one control request and returns the reply.
