@@ -241,17 +241,16 @@ impl HandoverWatch {
         is_zero: impl Fn(u64) -> bool,
     ) -> Look {
         let unsent: Vec<usize> = self.probes.iter().copied().filter(|&w| !self.sent_words[w]).collect();
-        let dirtied: Vec<u64> = unsent
-            .iter()
-            .flat_map(|&w| {
-                let word = dirty.words()[w];
-                (0..64u64).filter(move |b| word >> b & 1 == 1).map(move |b| w as u64 * 64 + b)
-            })
-            .collect();
-        let step = dirtied.len().div_ceil(ZERO_SAMPLE).max(1);
-        let sample: Vec<u64> = dirtied.iter().copied().step_by(step).collect();
-        let data = sample.iter().filter(|&&p| !is_zero(p)).count();
-        let with_data = (dirtied.len() as f64 * data as f64 / sample.len().max(1) as f64).round() as u64;
+        let dirtied: u64 = unsent.iter().map(|&w| dirty.words()[w].count_ones() as u64).sum();
+        // Every step-th dirtied page, in order (no list of them all: this
+        // runs every few milliseconds).
+        let step = dirtied.div_ceil(ZERO_SAMPLE as u64).max(1) as usize;
+        let pages = unsent.iter().flat_map(|&w| {
+            let word = dirty.words()[w];
+            (0..64u64).filter(move |b| word >> b & 1 == 1).map(move |b| w as u64 * 64 + b)
+        });
+        let (sampled, data) = pages.step_by(step).fold((0u64, 0u64), |(n, d), p| (n + 1, d + u64::from(!is_zero(p))));
+        let with_data = (dirtied as f64 * data as f64 / sampled.max(1) as f64).round() as u64;
         Look::new(with_data, unsent.len() as u64 * 64, (now - self.probed_at).as_secs_f64(), pages_total)
     }
 
