@@ -1,38 +1,49 @@
 #!/usr/bin/env python3
-"""Far memory against swapping (issue 19, the remote-swap paper): the same
-guest with a working set 4x the local memory, its ops/s when the rest lives
-on a memory host, in kernel swap on a local disk, or in zram.
+"""Far memory against swapping (issues 19 and 51, the remote-swap paper):
+the same guest under one memory budget, its ops/s when what does not fit
+lives on a memory host, in kernel swap on a local disk, or in zram.
+
+The budget: every configuration but the fully local ones runs its VMM
+process in a v1 memory cgroup limited to the local memory (a fraction of
+the working set, --fractions) plus that VMM's own overhead, measured
+before the runs (an idle guest of the same size; stated in the table).
+The kernel's OOM killer stays on; swap is a file on the local disk or
+zram, at the stated --swappiness; the host's own swap is taken offline
+for the runs and put back afterwards. The memory host (nbdkit) runs
+outside the budget, as a remote host would.
 
 Configurations (`--configs`):
-  local        all of guest memory resident: the upper bound;
+  local, qemu-local  all of guest memory resident (no limit): the upper
+               bound, per VMM;
   far          tsubame --local-memory L --far-memory on `nbdkit memory`
                over a unix socket (loopback: the memory host is this
                machine);
   far-10g      the same over TCP to nbdkit in another network namespace,
                the veth between them shaped at --far-link (10 Gbit/s);
-  swap-disk    tsubame without far memory in a memory cgroup (v1) limited
-               to L plus --overhead (the VMM's own memory and the kernel's
-               for KVM, charged to the cgroup), swapping to
-               a swap file on the local disk;
-  swap-zram    the same cgroup, swapping to /dev/zram0 (compressed RAM);
+  swap-disk    tsubame without far memory, swapping to a swap file on the
+               local disk;
+  swap-zram    the same, swapping to /dev/zram0 (compressed RAM);
   qemu-swap-disk, qemu-swap-zram
                QEMU (KVM, the same guest ELF via -kernel, its progress on
-               a debugcon socket) in the same cgroup and swap: the
-               swapping baseline of another VMM.
+               a debugcon socket) in the same budget and swap.
 
-Each runs `tsubame run` for --warmup seconds (kv loads its keys), then
-reads the guest's ops over the next --seconds from the control socket and, for `far`, fault latency. Run as root (swap,
-cgroups, namespaces).
+Each runs the guest for --warmup seconds (kv loads its keys), then reads
+its ops over the next --seconds and, for `far`, fault latency (kernel swap
+has no per-fault figure without tracing). kv runs first, at 1/2 local
+first: kernel swap must carry it at a nonzero rate for each VMM there, or
+the harness says why and stops. Run as root (swap, cgroups, namespaces).
 
 Migration (`--migrate`): the same guest, after --warmup, migrated over a
 unix socket paced at --link to `tsubame receive`, fully local
-(`migrate-local`) and with --local-memory and the rest on a memory host
-(`migrate-far`: only the resident pages and the far-page map move). It
-reports the migration's total time, downtime and bytes, that the digest
-verified, and the guest's ops at the destination over 3 s.
+(`migrate-local`) and with --local memory and the rest on a memory host
+(`migrate-far`: only the resident pages and the far-page map move), both
+under tsubame's default (post-copy allowed) unless --postcopy says
+otherwise. It reports the migration's total time, downtime and bytes,
+that the digest verified, and the guest's ops at the destination over 3 s.
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -45,12 +56,15 @@ import time
 from tsubame_bench.console import TSC_KHZ_RE, LineLog, progress_points
 from tsubame_bench.control import control_request
 from tsubame_bench.link import Link, remove_stale_namespaces
+from tsubame_bench.memlimit import Cgroup, HostSwap, MemLimitError, Swap
 from tsubame_bench.units import parse_rate, parse_size
 
-CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram", "qemu-swap-disk", "qemu-swap-zram"]
+CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram", "qemu-local", "qemu-swap-disk", "qemu-swap-zram"]
+DEFAULT_CONFIGS = [c for c in CONFIGS if c != "far-10g"]
+FULLY_LOCAL = ("local", "qemu-local")
 MIGRATE_CONFIGS = ["migrate-local", "migrate-far"]
 NBD_PORT = 10809
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
+BASELINE_FRACTION = 0.5
 
 
 class HarnessError(Exception):
@@ -61,68 +75,12 @@ def sh(*cmd):
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def swap_off_all():
-    subprocess.run(["swapoff", "-a"], stderr=subprocess.DEVNULL)
-    with open("/proc/swaps") as f:
-        for line in f.readlines()[1:]:
-            subprocess.run(["swapoff", line.split()[0]], stderr=subprocess.DEVNULL)
+def vmm_of(config):
+    return "qemu" if config.startswith("qemu-") else "tsubame"
 
 
-class Swap:
-    """A swap file on the local disk, or zram; the only swap while it lives."""
-
-    def __init__(self, kind, size_bytes, work):
-        swap_off_all()
-        self.kind = kind
-        if kind == "disk":
-            self.path = os.path.join(work, "swapfile")
-            sh("fallocate", "-l", str(size_bytes), self.path)
-            os.chmod(self.path, 0o600)
-        else:
-            self.path = "/dev/zram0"
-            subprocess.run(["swapoff", self.path], stderr=subprocess.DEVNULL)
-            with open("/sys/block/zram0/reset", "w") as f:
-                f.write("1")
-            with open("/sys/block/zram0/disksize", "w") as f:
-                f.write(str(size_bytes))
-        sh("mkswap", self.path)
-        sh("swapon", self.path)
-
-    def stop(self):
-        subprocess.run(["swapoff", self.path], stderr=subprocess.DEVNULL)
-        if self.kind == "disk":
-            os.unlink(self.path)
-        else:
-            with open("/sys/block/zram0/reset", "w") as f:
-                f.write("1")
-
-
-class Cgroup:
-    """A memory cgroup (v1) with a limit; processes join it by pid."""
-
-    def __init__(self, limit_bytes):
-        if not os.path.isdir(CGROUP_ROOT):
-            raise HarnessError(f"{CGROUP_ROOT} is missing: a v1 memory cgroup is needed")
-        self.path = os.path.join(CGROUP_ROOT, f"tsb-far-{os.getpid()}")
-        os.makedirs(self.path, exist_ok=True)
-        with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit_bytes))
-        # Stall in reclaim rather than kill: at these limits the kernel's
-        # OOM killer takes the VM when swapping does not keep up with it.
-        with open(os.path.join(self.path, "memory.oom_control"), "w") as f:
-            f.write("1")
-
-    def command(self, cmd):
-        # The shell joins the cgroup, then becomes the command.
-        return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh"] + cmd
-
-    def stop(self):
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                time.sleep(0.1)
+def swap_kind(config):
+    return config.rsplit("-", 1)[1] if "swap-" in config else None
 
 
 class MemoryHost:
@@ -228,75 +186,117 @@ def guest_ops(sock):
         return None
 
 
-def run_one(args, config, workload, work):
-    """Runs the guest for --warmup + --seconds; its ops/s over the last --seconds."""
+def tsubame_command(args, workload, sock):
+    return [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
+            "--workload-arg", f"wss={args.wss}", "--control", sock]
+
+
+def measure_overhead(args, vmm, work):
+    """The most memory the VMM's process uses with an idle guest of the same
+    size (its code, threads and buffers, KVM's pages charged to it), in a
+    cgroup without a limit; rounded up to MiB."""
+    cgroup = Cgroup(f"overhead-{vmm}", None, args.swappiness)
+    try:
+        if vmm == "qemu":
+            guest = QemuGuest(args, "idle", work, cgroup.command)
+            time.sleep(3)
+            guest.stop()
+        else:
+            sock = os.path.join(work, "idle.sock")
+            cmd = tsubame_command(args, "idle", sock) + ["--seconds", "3"]
+            p = subprocess.run(cgroup.command(cmd), capture_output=True, text=True, timeout=60)
+            if p.returncode != 0:
+                raise HarnessError(f"tsubame run (idle, to measure its overhead) failed: {p.stderr.strip()[-300:]}")
+        return -(-cgroup.max_usage() // 2**20) * 2**20
+    finally:
+        cgroup.stop()
+
+
+def stopped_by(returncode):
+    if returncode is None or returncode >= 0:
+        return f"exit {returncode}"
+    return {-9: "killed (SIGKILL)", -11: "SIGSEGV"}.get(returncode, f"signal {-returncode}")
+
+
+def run_one(args, config, workload, fraction, overhead, work):
+    """Runs the guest for --warmup + --seconds in its budget; its ops/s over
+    the last --seconds, and what the budget saw."""
     sock = os.path.join(work, "vm.sock")
     if os.path.exists(sock):
         os.unlink(sock)
-    cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
-           "--workload-arg", f"wss={args.wss}", "--control", sock]
-    host, swap, cgroup, proc, link, qemu = None, None, None, None, None, None
-    r = {"config": config, "workload": workload}
+    vmm, kind = vmm_of(config), swap_kind(config)
+    local = None if config in FULLY_LOCAL else int(parse_size(args.wss) * fraction) // 2**20 * 2**20
+    r = {"config": config, "workload": workload, "vmm": vmm, "fraction": 1.0 if local is None else fraction}
+    if local is not None:
+        r["local_mib"], r["limit_mib"] = local >> 20, (local + overhead[vmm]) >> 20
+    host, swap, proc, link, qemu = None, None, None, None, None
+    cgroup = Cgroup(config, None if local is None else local + overhead[vmm], args.swappiness)
     try:
-        if config.startswith("qemu-swap-"):
-            swap = Swap(config[len("qemu-swap-"):], parse_size(args.memory), work)
-            cgroup = Cgroup(parse_size(args.local) + parse_size(args.overhead))
+        if kind:
+            swap = Swap(kind, parse_size(args.memory), work)
+        if vmm == "qemu":
             qemu = QemuGuest(args, workload, work, cgroup.command)
-            time.sleep(args.warmup)
-            t0, ops0 = time.monotonic(), qemu.ops()
-            time.sleep(args.seconds)
-            t1, ops1 = time.monotonic(), qemu.ops()
-            if qemu.proc.poll() is not None:
-                r["failed"] = f"qemu exit {qemu.proc.returncode}: {qemu.proc.stderr.read().strip()[-300:]}"
-            elif ops0 is None or ops1 is None:
-                r["failed"] = "no progress line from the guest"
-            else:
-                r["ops_per_sec"] = int((ops1 - ops0) / (t1 - t0))
-            return r
-        if config == "far":
-            host = MemoryHost(args.memory, work)
-            cmd += ["--local-memory", args.local, "--far-memory", host.uri()]
-        elif config == "far-10g":
-            link = Link(parse_rate(args.far_link))
-            link.setup()
-            host = MemoryHost(args.memory, work, link)
-            cmd = link.netns_exec(link.src_ns) + cmd + ["--local-memory", args.local, "--far-memory", host.uri()]
-        elif config.startswith("swap-"):
-            swap = Swap(config[len("swap-"):], parse_size(args.memory), work)
-            cgroup = Cgroup(parse_size(args.local) + parse_size(args.overhead))
-            cmd = cgroup.command(cmd)
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        time.sleep(args.warmup)
-        t0, ops0 = time.monotonic(), guest_ops(sock)
-        time.sleep(args.seconds)
-        t1, ops1 = time.monotonic(), guest_ops(sock)
-        if ops0 is None or ops1 is None:
-            r["failed"] = "no answer on the control socket"
+            proc, ops = qemu.proc, qemu.ops
         else:
+            cmd = tsubame_command(args, workload, sock)
+            if config in ("far", "far-10g"):
+                if config == "far-10g":
+                    link = Link(parse_rate(args.far_link))
+                    link.setup()
+                host = MemoryHost(args.memory, work, link)
+                cmd += ["--local-memory", str(local), "--far-memory", host.uri()]
+            cmd = cgroup.command(cmd)
+            if link:
+                cmd = link.netns_exec(link.src_ns) + cmd
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            ops = functools.partial(guest_ops, sock)
+        time.sleep(args.warmup)
+        t0, ops0 = time.monotonic(), ops()
+        time.sleep(args.seconds)
+        t1, ops1 = time.monotonic(), ops()
+        if ops0 is not None and ops1 is not None:
             r["ops_per_sec"] = int((ops1 - ops0) / (t1 - t0))
-        try:
-            control_request(sock, {"cmd": "quit"})
-        except OSError:
-            pass
+        # What the budget saw, read before the VMM quits and frees it.
+        r["max_usage_mib"] = cgroup.max_usage() >> 20
+        r["oom_kills"] = cgroup.oom_kills()
+        if swap:
+            r["swap_used_mib"] = swap.used_bytes() >> 20
+            if not r.get("ops_per_sec"):
+                r["why"] = cgroup.why_stalled(swap)
+        alive = proc.poll() is None
+        if alive and vmm == "tsubame":
+            try:
+                control_request(sock, {"cmd": "quit"})
+            except OSError:
+                pass
+        elif alive:
+            proc.kill()
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
-        if proc.returncode != 0:
-            r["failed"] = f"exit {proc.returncode}: {err.strip()[-300:]}"
+        err = err or ""
+        if not alive:
+            r["failed"] = f"the VMM died during the run, {stopped_by(proc.returncode)}: {err.strip()[-200:]}"
+        elif vmm == "tsubame" and proc.returncode != 0:
+            r["failed"] = f"{stopped_by(proc.returncode)}: {err.strip()[-200:]}"
+        elif "ops_per_sec" not in r:
+            r["failed"] = "no progress reading from the guest"
+        if "failed" in r:
+            r.pop("ops_per_sec", None)
         f = FAR.search(err)
         if f:
             r["fault_p50_us"], r["fault_p99_us"] = int(f.group(1)), int(f.group(2))
-            r["far_summary"] = [line for line in err.splitlines() if "far memory:" in line][0]
         return r
     finally:
         if proc and proc.poll() is None:
             proc.kill()
             proc.wait()
-        for thing in (qemu, host, cgroup, swap):
+        for thing in (host, swap):
             if thing:
                 thing.stop()
+        cgroup.stop()
         if link:
             link.teardown()
 
@@ -307,8 +307,7 @@ def migrate_one(args, config, workload, work):
     for path in (sock, dest_sock, incoming):
         if os.path.exists(path):
             os.unlink(path)
-    cmd = [args.tsubame, "run", "--quiet", "--no-hugepages", "--memory", args.memory, "--workload", workload,
-           "--workload-arg", f"wss={args.wss}", "--control", sock]
+    cmd = tsubame_command(args, workload, sock)
     if args.rate:
         cmd += ["--workload-arg", f"rate={args.rate}"]
     host, proc, dest = None, None, None
@@ -326,7 +325,8 @@ def migrate_one(args, config, workload, work):
         r["far_pages_before"] = (before.get("far_memory") or {}).get("far_pages", 0)
         json_path = os.path.join(work, "migration.json")
         out = subprocess.run([args.tsubame, "migrate", "--control", sock, "--to", f"unix:{incoming}",
-                              "--max-bandwidth", args.link, "--json", json_path, "--postcopy", args.postcopy],
+                              "--max-bandwidth", args.link, "--json", json_path]
+                             + (["--postcopy", args.postcopy] if args.postcopy else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
         if out.returncode != 0:
             r["failed"] = out.stdout.strip()[-300:]
@@ -372,42 +372,119 @@ def migrate_table(results):
     return "\n".join(rows)
 
 
-def table(results):
-    rows = ["| workload | config | ops/s | ÷ swap-disk | ÷ swap-zram | ÷ qemu-swap-disk | ÷ local | "
-            "fault p50 / p99 µs |",
-            "|---|---|---|---|---|---|---|---|"]
-    by = {(r["workload"], r["config"]): r.get("ops_per_sec") for r in results}
-    for r in results:
-        w = r["workload"]
-        if "ops_per_sec" not in r:
-            rows.append(f"| {w} | {r['config']} | failed: {r.get('failed', '?')} | | | | | |")
-            continue
+def fraction_label(f):
+    return {0.75: "3/4", 0.5: "1/2", 0.25: "1/4"}.get(f, f"{f:g}")
 
-        def ratio(base):
-            b = by.get((w, base))
-            return f"{r['ops_per_sec'] / b:.2f}" if b else ("∞" if b == 0 else "n/a")
-        lat = f"{r['fault_p50_us']} / {r['fault_p99_us']}" if "fault_p50_us" in r else ""
-        rows.append(f"| {w} | {r['config']} | {r['ops_per_sec']} | {ratio('swap-disk')} | {ratio('swap-zram')} | "
-                    f"{ratio('qemu-swap-disk')} | {ratio('local')} | {lat} |")
+
+def table(results, fractions, overhead, swappiness):
+    """ops/s per configuration and local fraction, far memory's ratios to
+    each swap baseline, and a note for every run that gave no figure."""
+    notes = []
+
+    def cell(r):
+        if r is None:
+            return ""
+        if "ops_per_sec" not in r or r["ops_per_sec"] == 0:
+            notes.append(f"{r['workload']} {r['config']} at {fraction_label(r['fraction'])} local: "
+                         f"{r.get('failed') or '0 ops/s'}{'; ' + r['why'] if 'why' in r else ''}")
+            return f"{'failed' if 'failed' in r else '0'} [{len(notes)}]"
+        text = f"{r['ops_per_sec']:,}"
+        return text + (f" (p99 {r['fault_p99_us']} µs)" if "fault_p99_us" in r else "")
+
+    by = {(r["workload"], r["config"], r["fraction"]): r for r in results}
+    heads = [f"{fraction_label(f)} local" for f in fractions] + ["fully local"]
+    rows = ["VMM overhead added to each budget (measured with an idle guest of the same size): "
+            + ", ".join(f"{vmm} {v >> 20} MiB" for vmm, v in sorted(overhead.items()))
+            + f"; swappiness {swappiness}; OOM killer on.", "",
+            "| workload | config | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in results)]
+    for w in workloads:
+        for c in configs:
+            cells = [cell(by.get((w, c, f))) if c not in FULLY_LOCAL else "" for f in fractions]
+            cells.append(cell(by.get((w, c, 1.0))) if c in FULLY_LOCAL else "")
+            rows.append(f"| {w} | {c} | " + " | ".join(cells) + " |")
+        for base in ("swap-disk", "swap-zram", "qemu-swap-disk", "qemu-swap-zram", "local"):
+            cells = []
+            for f in fractions:
+                far, b = by.get((w, "far", f)), by.get((w, base, 1.0 if base == "local" else f))
+                fo, bo = (far or {}).get("ops_per_sec"), (b or {}).get("ops_per_sec")
+                cells.append(f"{fo / bo:.2f}×" if fo and bo else ("∞" if fo and bo == 0 else ""))
+            if any(cells):
+                rows.append(f"| {w} | far ÷ {base} | " + " | ".join(cells + [""]) + " |")
+    if notes:
+        rows += [""] + [f"[{i}] {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(rows)
+
+
+def plot(results, fractions, path):
+    """ops/s against the local fraction, one panel per workload."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("far_memory: matplotlib missing, no plot (pip install -r bench/requirements.txt)", file=sys.stderr)
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for c in CONFIGS:
+            points = sorted((r["fraction"], r.get("ops_per_sec", 0)) for r in results
+                            if r["workload"] == w and r["config"] == c)
+            if not points:
+                continue
+            if c in FULLY_LOCAL:
+                ax.axhline(max(points[0][1], 1), linestyle=":", color="grey" if c == "local" else "tan", label=c)
+            else:
+                ax.plot([p[0] for p in points], [max(p[1], 1) for p in points], marker="o", label=c)
+        ax.set_yscale("log")
+        ax.set_xticks(fractions)
+        ax.set_xlabel("local memory ÷ working set")
+        ax.set_ylabel("guest ops/s (0 drawn as 1)")
+        ax.set_title(w)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_order(workloads, fractions):
+    """kv first, 1/2 local first: the baseline check runs before the rest."""
+    ws = sorted(workloads, key=lambda w: w != "kv")
+    fs = sorted(fractions, key=lambda f: f != BASELINE_FRACTION)
+    return [(w, f) for w in ws for f in fs]
+
+
+def baseline_broken(results, configs):
+    """Why kernel swap failed to carry kv at 1/2 local for a VMM, or None."""
+    for config in ("swap-disk", "qemu-swap-disk"):
+        if config not in configs:
+            continue
+        r = next((r for r in results if r["workload"] == "kv" and r["config"] == config
+                  and r["fraction"] == BASELINE_FRACTION), None)
+        if r and not r.get("ops_per_sec"):
+            return (f"the swap baseline does not work: {config} carried kv at 1/2 local at 0 ops/s "
+                    f"({r.get('failed') or r.get('why', 'no progress')}); no comparison against it is made")
+    return None
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory", default="640M", help="guest memory")
     p.add_argument("--wss", default="512M", help="the workload's working set")
-    p.add_argument("--local", default="128M", help="local memory (1/4 of the working set)")
-    p.add_argument("--overhead", default="64M",
-                   help="added to the swap configurations' cgroup limit: the VMM's own memory (~7 MiB) and the "
-                        "kernel memory a cgroup v1 charges for KVM's page tables, which far memory does not limit")
-    p.add_argument("--workloads", default="kv,bwmem")
+    p.add_argument("--fractions", default="0.75,0.5,0.25",
+                   help="local memory as fractions of the working set (the budget of every limited configuration)")
+    p.add_argument("--swappiness", type=int, default=60, help="the budget cgroup's memory.swappiness")
+    p.add_argument("--local", default="1G", help="with --migrate: local memory of migrate-far")
+    p.add_argument("--workloads", default="kv,bwmem,stream", help="stream is the sequential scan")
     p.add_argument("--far-link", default="10Gbit", help="the shaped link to the memory host of far-10g")
-    p.add_argument("--configs", default=None, help=f"default: {','.join(CONFIGS)}; with --migrate: "
+    p.add_argument("--configs", default=None, help=f"default: {','.join(DEFAULT_CONFIGS)}; with --migrate: "
                                                    f"{','.join(MIGRATE_CONFIGS)}")
     p.add_argument("--migrate", action="store_true", help="measure migrations instead of ops/s")
     p.add_argument("--link", default="1Gbit", help="the migration's rate with --migrate")
     p.add_argument("--rate", help="with --migrate: the guest's write cap in MB/s (workload-arg rate=)")
-    p.add_argument("--postcopy", default="off", help="with --migrate: `migrate --postcopy` (off, auto, after=N)")
+    p.add_argument("--postcopy", default=None,
+                   help="with --migrate: `migrate --postcopy` (off, auto, after=N); default: tsubame's default")
     p.add_argument("--warmup", type=float, default=30, help="seconds before measuring (kv loads its keys)")
     p.add_argument("--seconds", type=float, default=20, help="seconds measured")
     p.add_argument("--tsubame", default="target/release/tsubame")
@@ -415,29 +492,63 @@ def main(argv=None):
     p.add_argument("--out", default="results/far-memory")
     args = p.parse_args(argv)
     known = MIGRATE_CONFIGS if args.migrate else CONFIGS
-    args.configs = args.configs or ",".join(known)
+    configs = (args.configs or ",".join(MIGRATE_CONFIGS if args.migrate else DEFAULT_CONFIGS)).split(",")
+    for config in configs:
+        if config not in known:
+            raise HarnessError(f"unknown config {config} (known: {', '.join(known)})")
+    try:
+        fractions = sorted({float(f) for f in args.fractions.split(",")}, reverse=True)
+    except ValueError:
+        raise HarnessError(f"--fractions: a comma-separated list of numbers, not {args.fractions!r}") from None
+    if not all(0 < f < 1 for f in fractions):
+        raise HarnessError("--fractions: each between 0 and 1 (fully local is its own configuration)")
     if os.geteuid() != 0:
         raise HarnessError("run as root (swap, cgroups)")
     args.tsubame = os.path.abspath(args.tsubame)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="tsb-far-", dir="/var/tmp")
     remove_stale_namespaces()
-    results = []
+    results, host_swap = [], None
+
+    def record(r):
+        print(f"far_memory: {r['workload']} {r['config']}: {json.dumps(r)}", file=sys.stderr, flush=True)
+        results.append(r)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
     try:
-        for workload in args.workloads.split(","):
-            for config in args.configs.split(","):
-                if config not in known:
-                    raise HarnessError(f"unknown config {config} (known: {', '.join(known)})")
-                print(f"far_memory: {workload} {config} ...", file=sys.stderr, flush=True)
-                r = (migrate_one if args.migrate else run_one)(args, config, workload, work)
-                print(f"far_memory: {workload} {config}: {json.dumps(r)}", file=sys.stderr, flush=True)
-                results.append(r)
-                with open(os.path.join(args.out, "results.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+        if args.migrate:
+            for workload in args.workloads.split(","):
+                for config in configs:
+                    print(f"far_memory: {workload} {config} ...", file=sys.stderr, flush=True)
+                    record(migrate_one(args, config, workload, work))
+            text = migrate_table(results)
+        else:
+            host_swap = HostSwap()
+            overhead = {vmm: measure_overhead(args, vmm, work) for vmm in sorted({vmm_of(c) for c in configs})}
+            print(f"far_memory: measured VMM overhead: {json.dumps({k: v >> 20 for k, v in overhead.items()})} "
+                  "MiB", file=sys.stderr, flush=True)
+            done_local = set()
+            for workload, fraction in run_order(args.workloads.split(","), fractions):
+                for config in configs:
+                    if config in FULLY_LOCAL and (workload, config) in done_local:
+                        continue
+                    done_local.add((workload, config))
+                    print(f"far_memory: {workload} {config} at {fraction_label(fraction)} local ...",
+                          file=sys.stderr, flush=True)
+                    record(run_one(args, config, workload, fraction, overhead, work))
+                if workload == "kv" and fraction == BASELINE_FRACTION:
+                    broken = baseline_broken(results, configs)
+                    if broken:
+                        raise HarnessError(broken)
+            text = table(results, fractions, overhead, args.swappiness)
+            plot(results, fractions, os.path.join(args.out, "ops-by-local-fraction.png"))
+    except MemLimitError as e:
+        raise HarnessError(str(e)) from None
     finally:
-        swap_off_all()
+        if host_swap:
+            host_swap.restore()
         subprocess.run(["rm", "-rf", work])
-    text = migrate_table(results) if args.migrate else table(results)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
     print(text)
