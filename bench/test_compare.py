@@ -19,12 +19,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 import compare
 import tsubame_bench
-from tsubame_bench import console, demo, link, procs, qmp, units
+from tsubame_bench.cases import VmmConfig, guest_cmdline, load_case_file
+from tsubame_bench import console, demo, link, procs, qmp, runner, tables, units
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,12 +60,12 @@ def test_sizes_and_rates():
 
 
 def test_smoke_case_file():
-    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
+    cases, configs = load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
     (case,) = cases
     assert (case.workload, case.memory, case.link, case.repetitions) == ("kv", "512M", "1gbit", 1)
     assert {"qemu-default", "tsubame-auto"} <= set(case.configs)
     assert case.bandwidth_bits() == 1_000_000_000
-    assert compare.guest_cmdline(case, 2599998) == "workload=kv wss=64M tsc_khz=2599998"
+    assert guest_cmdline(case, 2599998) == "workload=kv wss=64M tsc_khz=2599998"
 
 
 QEMU_BEST_MODES = ["qemu-default", "qemu-xbzrle", "qemu-multifd4", "qemu-multifd4-zstd", "qemu-auto-converge",
@@ -74,9 +76,9 @@ CASE_FILES = ["smoke.toml", "paper.toml", "postcopy.toml", "autoconverge.toml", 
 def test_every_case_file_has_qemu_best_modes():
     """The same eight QEMU configurations, alike, in every case file: the best QEMU of a figure is chosen among
     them, so a file with fewer (or a mode set up differently) would compare with a weaker QEMU."""
-    expected = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))[1]
+    expected = load_case_file(os.path.join(HERE, "cases", "smoke.toml"))[1]
     for name in CASE_FILES:
-        cases, configs = compare.load_case_file(os.path.join(HERE, "cases", name))
+        cases, configs = load_case_file(os.path.join(HERE, "cases", name))
         qemu = [n for n, c in configs.items() if c.vmm == "qemu"]
         assert qemu == QEMU_BEST_MODES, name
         assert all(configs[n] == expected[n] for n in qemu), name
@@ -94,25 +96,25 @@ def test_every_case_file_has_qemu_best_modes():
 
 
 def test_accel_option(tmp_path):
-    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
-    env = compare.Env(tsubame="tsubame", qemu="qemu-system-x86_64", guest_elf="g.elf", tsc_khz=1, sock_dir="/s",
+    cases, configs = load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
+    env = runner.Env(tsubame="tsubame", qemu="qemu-system-x86_64", guest_elf="g.elf", tsc_khz=1, sock_dir="/s",
                       log_dir="/l")
-    ring = compare.qemu_command(env, cases[0], configs["qemu-dirty-limit"], "src", False)
+    ring = runner.qemu_command(env, cases[0], configs["qemu-dirty-limit"], "src", False)
     assert ring[ring.index("-accel") + 1] == "kvm,dirty-ring-size=4096" and "-enable-kvm" not in ring
-    plain = compare.qemu_command(env, cases[0], configs["qemu-default"], "src", False)
+    plain = runner.qemu_command(env, cases[0], configs["qemu-default"], "src", False)
     assert "-enable-kvm" in plain and "-accel" not in plain
     path = tmp_path / "c.toml"
     for line in ('t = { vmm = "tsubame", accel = "kvm,dirty-ring-size=4096" }',
                  'q = { vmm = "qemu", accel = "tcg" }'):
         path.write_text(f'[configs]\n{line}\n[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
         with pytest.raises(tsubame_bench.HarnessError, match="accel is QEMU's -accel option"):
-            compare.load_case_file(str(path))
+            load_case_file(str(path))
 
 
 def test_skipped_qemu_configs(monkeypatch, capsys):
     """A configuration whose -accel the host's KVM refuses, or that needs a capability the QEMU lacks (a 7.2
     given with --qemu), is skipped with one line each; a QEMU that does not start under plain KVM is an error."""
-    _, configs = compare.load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
+    _, configs = load_case_file(os.path.join(HERE, "cases", "smoke.toml"))
     caps_10 = {"xbzrle", "multifd", "auto-converge", "dirty-limit", "postcopy-ram", "postcopy-preempt"}
     probes = []
 
@@ -164,7 +166,7 @@ def test_version_label():
 
 
 def test_paper_case_file():
-    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "paper.toml"))
+    cases, configs = load_case_file(os.path.join(HERE, "cases", "paper.toml"))
     assert set(QEMU_BEST_MODES) | {"tsubame-auto"} <= set(configs)
     assert configs["qemu-xbzrle"].parameters["xbzrle-cache-size"] == 512 * 2**20
     assert configs["qemu-multifd4-zstd"].capabilities == ["multifd"]
@@ -180,11 +182,11 @@ def test_tsubame_config_is_one_line(tmp_path):
                     'tsubame-zstd = { vmm = "tsubame", args = ["--codec", "zstd"] }\n'
                     'qemu-default = { vmm = "qemu" }\n'
                     '[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\nlink = "loopback"\n')
-    cases, configs = compare.load_case_file(str(path))
+    cases, configs = load_case_file(str(path))
     assert configs["tsubame-zstd"].args == ["--codec", "zstd"]
     assert cases[0].configs == ["tsubame-zstd", "qemu-default"]  # default: every config, in file order
     assert cases[0].link_bits() is None and cases[0].bandwidth_bits() is None  # loopback: unlimited
-    caps, params = compare.qemu_migration_settings(cases[0], configs["qemu-default"])
+    caps, params = runner.qemu_migration_settings(cases[0], configs["qemu-default"])
     assert caps == [] and params["max-bandwidth"] == 10**12 and params["downtime-limit"] == 300
 
 
@@ -193,28 +195,28 @@ def test_bad_case_files(tmp_path):
     path.write_text('[configs]\nq = { vmm = "qemu" }\n[[case]]\nname = "x"\nworkload = "kv"\nmemory = "64M"\n'
                     'configs = ["nope"]\n')
     with pytest.raises(tsubame_bench.HarnessError, match="config 'nope' is not defined"):
-        compare.load_case_file(str(path))
+        load_case_file(str(path))
     path.write_text('[configs]\nq = { vmm = "xen" }\n')
     with pytest.raises(tsubame_bench.HarnessError, match="vmm"):
-        compare.load_case_file(str(path))
+        load_case_file(str(path))
 
 
 def test_postcopy_case_file():
-    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "postcopy.toml"))
+    cases, configs = load_case_file(os.path.join(HERE, "cases", "postcopy.toml"))
     workloads = {(c.workload, c.memory, c.link, tuple(c.args.items())) for c in cases}
     assert {("fill-random", "4G", "1gbit", (("wss", "3000M"),)),
             ("sparse", "1G", "1gbit", (("wss", "768M"), ("rate", "40")))} <= workloads
     qemu = configs["qemu-postcopy-preempt-after1"]
     assert qemu.qemu_postcopy() and qemu.postcopy_after_passes == 1
-    caps, _ = compare.qemu_migration_settings(cases[0], qemu)
+    caps, _ = runner.qemu_migration_settings(cases[0], qemu)
     assert caps == [{"capability": "postcopy-preempt", "state": True}, {"capability": "postcopy-ram", "state": True}]
     assert configs["tsubame-auto"].args == []  # the default is --postcopy auto
     assert configs["tsubame-postcopy-after1"].args == ["--postcopy", "after=1"]
     # the switch: after the first pass is done (dirty-sync-count 2), or at once
-    t0 = compare.time.monotonic()
-    assert not compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 1}}, t0)
-    assert compare.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 2}}, t0)
-    assert compare.qemu_postcopy_due(configs["qemu-postcopy-preempt-now"], {}, t0)
+    t0 = time.monotonic()
+    assert not runner.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 1}}, t0)
+    assert runner.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 2}}, t0)
+    assert runner.qemu_postcopy_due(configs["qemu-postcopy-preempt-now"], {}, t0)
 
 
 def test_postcopy_keys_are_for_qemu(tmp_path):
@@ -222,13 +224,13 @@ def test_postcopy_keys_are_for_qemu(tmp_path):
     path.write_text('[configs]\nt = { vmm = "tsubame", postcopy_after_passes = 1 }\n'
                     '[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
     with pytest.raises(tsubame_bench.HarnessError, match="postcopy_after_\\* is for QEMU"):
-        compare.load_case_file(str(path))
+        load_case_file(str(path))
 
 
 def test_qemu_settings_of_a_link_case():
-    cases, configs = compare.load_case_file(os.path.join(HERE, "cases", "paper.toml"))
+    cases, configs = load_case_file(os.path.join(HERE, "cases", "paper.toml"))
     case = next(c for c in cases if c.link == "10gbit")
-    caps, params = compare.qemu_migration_settings(case, configs["qemu-multifd4-zstd"])
+    caps, params = runner.qemu_migration_settings(case, configs["qemu-multifd4-zstd"])
     assert caps == [{"capability": "multifd", "state": True}]
     assert params == {"max-bandwidth": 1_250_000_000, "downtime-limit": 300, "multifd-channels": 4,
                       "multifd-compression": "zstd"}
@@ -239,8 +241,8 @@ def test_qemu_settings_of_a_link_case():
 
 @pytest.mark.parametrize("vmm", ["qemu", "tsubame"])
 def test_recorded_consoles(vmm):
-    src = compare.read_console(data(f"{vmm}-src-console.txt"))
-    dst = compare.read_console(data(f"{vmm}-dst-console.txt"))
+    src = runner.read_console(data(f"{vmm}-src-console.txt"))
+    dst = runner.read_console(data(f"{vmm}-dst-console.txt"))
     assert src[0][1].startswith("tsubame-guest: workload=kv wss=256M")
     assert "tsc_khz=2599998 (cmdline)" in src[0][1]
     assert console.guest_errors(src + dst) == []
@@ -256,8 +258,8 @@ def test_recorded_consoles(vmm):
 def test_guest_figures_from_recorded_lines(vmm):
     """The guest figures recomputed from the recorded consoles equal those the harness recorded."""
     run = recorded_runs()[f"{vmm}-default"]
-    sp = console.progress_points(compare.read_console(data(f"{vmm}-src-console.txt")))
-    dp = console.progress_points(compare.read_console(data(f"{vmm}-dst-console.txt")))
+    sp = console.progress_points(runner.read_console(data(f"{vmm}-src-console.txt")))
+    dp = console.progress_points(runner.read_console(data(f"{vmm}-dst-console.txt")))
     t_src_last, t_dst_first, gap = console.switchover(sp, dp, 0.0)
     assert gap == pytest.approx(run["switchover_gap_ms"], abs=0.2)  # consoles keep 0.1 ms
     assert t_dst_first - t_src_last == pytest.approx(gap / 1e3)
@@ -367,15 +369,15 @@ def test_cpu_sampler_keeps_threads_that_exit(monkeypatch):
 
 def test_medians_and_ratios():
     runs = compare.load_runs(data("ratio-runs.jsonl"))
-    groups = compare.group_runs(runs)
-    q = compare.summarize(groups["a"]["qemu-default"])
-    t = compare.summarize(groups["a"]["tsubame-auto"])
+    groups = tables.group_runs(runs)
+    q = tables.summarize(groups["a"]["qemu-default"])
+    t = tables.summarize(groups["a"]["tsubame-auto"])
     assert (q["total_time_s"], q["vmm_downtime_ms"], q["bytes_on_wire"]) == (10.0, 300, 1000 * 2**20)
     assert q["cpu_source_migration_s"] == pytest.approx(1.0)
     # the timeout is left out of the medians but counted
     assert (t["completed"], t["runs"], t["converged"]) == (2, 3, 2)
     assert (t["total_time_s"], t["vmm_downtime_ms"], t["guest_downtime_ms"]) == (5.0, 150, 200)
-    rows = {(c, tn, qn): r for c, tn, qn, r in compare.ratio_rows(runs)}
+    rows = {(c, tn, qn): r for c, tn, qn, r in tables.ratio_rows(runs)}
     a = rows[("a", "tsubame-auto", "qemu-default")]
     assert a["total_time_s"] == pytest.approx(0.5)
     assert a["time_to_destination_s"] == pytest.approx(5.1 / 10.1)
@@ -386,11 +388,11 @@ def test_medians_and_ratios():
     assert a["ops_per_sec_during"] == pytest.approx(2.0)
     b = rows[("b", "tsubame-auto", "qemu-default")]
     assert all(v is None for v in b.values())  # QEMU never completed: no ratio
-    assert compare.ratio(1, 0) is None and compare.ratio(None, 2) is None
+    assert tables.ratio(1, 0) is None and tables.ratio(None, 2) is None
 
 
 def test_table_text():
-    table = compare.make_table(compare.load_runs(data("ratio-runs.jsonl")))
+    table = tables.make_table(compare.load_runs(data("ratio-runs.jsonl")))
     # recorded before the guest reported its own stall: guest stall and VMM stop→resume are "–"
     assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | – | – | 300 | 320 | 1000 |" in table
     assert "| b | qemu-default | 0/1 | 0/1 | >120 | – |" in table
@@ -409,7 +411,7 @@ def test_downtime_columns_lead_for_both_vmms():
     runs = [r for r in compare.load_runs(data("ratio-runs.jsonl")) if r["case"] == "a"]
     for r in runs:
         r["guest_stall_ms"], r["vmm_stop_resume_ms"] = (240.0, 230.0) if r["vmm"] == "qemu" else (60.0, 46.0)
-    table = compare.make_table(runs)
+    table = tables.make_table(runs)
     header = next(line for line in table.splitlines() if line.startswith("| case | config |"))
     assert header.index("guest stall (ms)") < header.index("VMM stop→resume (ms)") < header.index("VMM downtime")
     assert "| a | qemu-default | 3/3 | 3/3 | 10.00 | 10.10 | 240.0 | 230.0 | 300 |" in table
@@ -417,7 +419,7 @@ def test_downtime_columns_lead_for_both_vmms():
 
 
 def test_run_order_rotates_each_vmm_group():
-    configs = {n: compare.VmmConfig(name=n, vmm=n.split("-")[0], args=[]) for n in
+    configs = {n: VmmConfig(name=n, vmm=n.split("-")[0], args=[]) for n in
                ["qemu-default", "qemu-xbzrle", "tsubame-auto", "tsubame-4096", "tsubame-spp128"]}
     names = list(configs)
     orders = [compare.run_order(names, configs, rep) for rep in (1, 2, 3)]
@@ -432,20 +434,20 @@ def test_table_names_the_qemu_version():
     """A table says which QEMU it compares with (`qemu-system-x86_64 --version` as recorded in each run); runs
     recorded without it (older runs.jsonl read back with --table-from) are labelled "QEMU (version unknown)"."""
     runs = compare.load_runs(data("ratio-runs.jsonl"))  # recorded without qemu_version
-    old = compare.make_table(runs)
+    old = tables.make_table(runs)
     assert old.startswith("Against QEMU (version unknown): these QEMU runs were recorded without `qemu_version`")
     assert "Ratios tsubame / QEMU (version unknown) of the medians" in old
     assert "against the best QEMU (version unknown) configuration" in old
     line = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)"
-    new = compare.make_table([dict(r, qemu_version=line) for r in runs])
+    new = tables.make_table([dict(r, qemu_version=line) for r in runs])
     assert new.startswith(f"Against QEMU 10.0.2: `qemu-system-x86_64 --version`: {line}\n")
     assert "Ratios tsubame / QEMU 10.0.2 of the medians" in new and "version unknown" not in new
     # runs of two QEMUs read back together: both named, never plain "QEMU"
     mixed = [dict(r, qemu_version=line) if r["case"] == "a" else r for r in runs]
-    assert compare.qemu_label(mixed) == "QEMU 10.0.2 and QEMU (version unknown)"
-    assert compare.make_table(mixed).count("\nAgainst ") == 1  # two header lines: the first and one more
+    assert tables.qemu_label(mixed) == "QEMU 10.0.2 and QEMU (version unknown)"
+    assert tables.make_table(mixed).count("\nAgainst ") == 1  # two header lines: the first and one more
     # an invocation of tsubame configurations alone (bench/device/stop_check.sh, --qemu /bin/true)
-    assert compare.qemu_label([r for r in runs if r["vmm"] == "tsubame"]) == "QEMU (none ran)"
+    assert tables.qemu_label([r for r in runs if r["vmm"] == "tsubame"]) == "QEMU (none ran)"
 
 
 def test_best_qemu_per_figure():
@@ -453,7 +455,7 @@ def test_best_qemu_per_figure():
     VMM downtime and lets the guest run faster, qemu-default sends fewer bytes and costs less CPU; on a tie (guest
     downtime 320 ms both) the first listed. Ratios are tsubame-auto's median against that configuration's."""
     runs = compare.load_runs(data("ratio-runs.jsonl"))
-    rows = dict(compare.best_qemu_rows(runs))
+    rows = dict(tables.best_qemu_rows(runs))
     best = rows["a"]["best"]
     picks = {key: b["config"] for key, b in best.items()}
     assert picks == {"total_time_s": "qemu-xbzrle", "time_to_destination_s": "qemu-default",
@@ -471,10 +473,10 @@ def test_best_qemu_per_figure():
     assert all(b["config"] is None and b["ratio"] is None for b in rows["b"]["best"].values())
     # a QEMU configuration that only timed out is never the best, however low its figures
     runs.append(dict(runs[0], config="qemu-dirty-limit", status="timeout", total_time_s=1.0, vmm_downtime_ms=1))
-    assert dict(compare.best_qemu_rows(runs))["a"]["best"]["total_time_s"]["config"] == "qemu-xbzrle"
+    assert dict(tables.best_qemu_rows(runs))["a"]["best"]["total_time_s"]["config"] == "qemu-xbzrle"
     # tsubame configurations are never "best QEMU"
-    summaries = {n: compare.summarize(rs) for n, rs in compare.group_runs(runs)["a"].items()}
-    assert compare.best_qemu(summaries, "total_time_s") == ("qemu-xbzrle", 9.0)
+    summaries = {n: tables.summarize(rs) for n, rs in tables.group_runs(runs)["a"].items()}
+    assert tables.best_qemu(summaries, "total_time_s") == ("qemu-xbzrle", 9.0)
 
 
 def test_auto_against_the_better_fixed_granularity():
@@ -482,19 +484,19 @@ def test_auto_against_the_better_fixed_granularity():
     auto = [r for r in runs if r["config"] == "tsubame-auto"]
     for name, total in (("tsubame-4096", 8.0), ("tsubame-spp128", 4.0)):
         runs += [dict(r, config=name, total_time_s=total) for r in auto]
-    [(_, figures)] = compare.best_qemu_rows(runs)
+    [(_, figures)] = tables.best_qemu_rows(runs)
     assert figures["granularity"] == pytest.approx(5.0 / 4.0)  # auto's median 5 s against 128's 4 s
 
 
 def test_auto_against_the_better_single_mode():
     runs = compare.load_runs(data("ratio-runs.jsonl"))
     auto = [r for r in runs if r["config"] == "tsubame-auto"]
-    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] is None  # neither ran
+    assert dict(tables.best_qemu_rows(runs))["a"]["mode"] is None  # neither ran
     runs += [dict(r, config="tsubame-precopy", total_time_s=6.0) for r in auto]
-    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] is None  # one alone says nothing
+    assert dict(tables.best_qemu_rows(runs))["a"]["mode"] is None  # one alone says nothing
     runs += [dict(r, config="tsubame-postcopy-now", total_time_s=4.5) for r in auto]
-    assert dict(compare.best_qemu_rows(runs))["a"]["mode"] == pytest.approx(5.0 / 4.5)
-    assert "| a | 2/3 | 1.11 |" in compare.make_table(runs)
+    assert dict(tables.best_qemu_rows(runs))["a"]["mode"] == pytest.approx(5.0 / 4.5)
+    assert "| a | 2/3 | 1.11 |" in tables.make_table(runs)
 
 
 def test_downtime_limit_kept():
@@ -505,17 +507,17 @@ def test_downtime_limit_kept():
     for r in runs:
         if r["vmm"] == "tsubame" and r["status"] == "completed":
             r["vmm_stats"] = {"expected_downtime_ms": next(expected, 380), "downtime_limit_ms": 150}
-    [(case, config, figures)] = compare.limit_rows(runs)
+    [(case, config, figures)] = tables.limit_rows(runs)
     assert (case, config) == ("a", "tsubame-auto")
     assert (figures["converged"], figures["kept"], figures["limit_ms"]) == (2, 1, 150)
     assert figures["worst_over_ms"] == 50
     assert figures["shares"] == pytest.approx((0.65, 1.15))
     assert figures["measured_ms"] == (100, 200)
-    table = compare.make_table(runs)
+    table = tables.make_table(runs)
     assert "runs that converged in pre-copy: 1 of 2 kept it" in table
     assert "| a | tsubame-auto | 1/2 | 150 | 100.00-200.00 | 50.00 | 0.65-1.15 |" in table
     # Runs recorded without the limit in their statistics have no row.
-    assert compare.limit_rows(compare.load_runs(data("ratio-runs.jsonl"))) == []
+    assert tables.limit_rows(compare.load_runs(data("ratio-runs.jsonl"))) == []
 
 
 def test_table_from_recorded_run(tmp_path):

@@ -182,44 +182,45 @@ fn check_crate(src: &Path) -> (Vec<String>, Option<Vec<String>>, usize) {
     }
     let imports = edges.values().map(BTreeSet::len).sum::<usize>();
 
-    // Depth-first search for a back edge; report the loop.
-    fn visit(
-        node: &Vec<String>,
-        edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
-        state: &mut BTreeMap<Vec<String>, u8>,
-        stack: &mut Vec<Vec<String>>,
-    ) -> Option<Vec<String>> {
-        state.insert(node.clone(), 1);
-        stack.push(node.clone());
-        for next in edges.get(node).into_iter().flatten() {
-            match state.get(next) {
-                Some(1) => {
-                    let at = stack.iter().position(|n| n == next).unwrap();
-                    let mut cycle: Vec<String> = stack[at..].iter().map(|m| m.join("::")).collect();
-                    cycle.push(next.join("::"));
-                    return Some(cycle);
-                }
-                Some(_) => {}
-                None => {
-                    if let Some(cycle) = visit(next, edges, state, stack) {
-                        return Some(cycle);
-                    }
-                }
-            }
-        }
-        stack.pop();
-        state.insert(node.clone(), 2);
-        None
-    }
     let mut state = BTreeMap::new();
     for module in &modules {
         if !state.contains_key(module) {
-            if let Some(cycle) = visit(module, &edges, &mut state, &mut Vec::new()) {
+            if let Some(cycle) = find_cycle(module, &edges, &mut state, &mut Vec::new()) {
                 return (long, Some(cycle), imports);
             }
         }
     }
     (long, None, imports)
+}
+
+/// Depth-first search for a back edge from `node`; the loop it closes.
+fn find_cycle(
+    node: &Vec<String>,
+    edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+    state: &mut BTreeMap<Vec<String>, u8>,
+    stack: &mut Vec<Vec<String>>,
+) -> Option<Vec<String>> {
+    state.insert(node.clone(), 1);
+    stack.push(node.clone());
+    for next in edges.get(node).into_iter().flatten() {
+        match state.get(next) {
+            Some(1) => {
+                let at = stack.iter().position(|n| n == next).unwrap();
+                let mut cycle: Vec<String> = stack[at..].iter().map(|m| m.join("::")).collect();
+                cycle.push(next.join("::"));
+                return Some(cycle);
+            }
+            Some(_) => {}
+            None => {
+                if let Some(cycle) = find_cycle(next, edges, state, stack) {
+                    return Some(cycle);
+                }
+            }
+        }
+    }
+    stack.pop();
+    state.insert(node.clone(), 2);
+    None
 }
 
 #[test]
@@ -250,4 +251,72 @@ fn the_path_scanner_reads_groups_and_supers() {
     assert!(paths.contains(&vec!["crate".into(), "protocol".into(), "pages".into(), "shard_of".into()]));
     assert!(paths.contains(&vec!["super".into(), "super".into(), "a".into(), "B".into()]));
     assert!(paths_in("let u = \"nbd://x\"; foo_crate::bar").is_empty());
+}
+
+/// bench/'s Python under the same rule: no file over 600 lines, and no
+/// import cycle among its modules (`from tsubame_bench.a import x`,
+/// `from tsubame_bench import a, b`, `import tsubame_bench.a`; an entry
+/// script is a module too).
+#[test]
+fn no_import_cycles_and_no_long_files_in_bench() {
+    let bench = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("bench");
+    let mut all = Vec::new();
+    python_files(&bench, &mut all);
+    let name_of = |file: &Path| {
+        let rel = file.strip_prefix(&bench).unwrap().with_extension("");
+        let parts: Vec<String> = rel.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        match parts.as_slice() {
+            [package, init] if init == "__init__" => package.clone(),
+            _ => parts.join("."),
+        }
+    };
+    let modules: BTreeSet<String> = all.iter().map(|f| name_of(f)).collect();
+    let mut long = Vec::new();
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for file in &all {
+        let text = std::fs::read_to_string(file).unwrap();
+        let lines = text.lines().count();
+        if lines > MAX_LINES {
+            long.push(format!("{} ({lines} lines)", file.display()));
+        }
+        let from = name_of(file);
+        for line in text.lines().map(str::trim_start) {
+            let mut targets = Vec::new();
+            if let Some(rest) = line.strip_prefix("from ") {
+                if let Some((module, names)) = rest.split_once(" import ") {
+                    targets.push(module.trim().to_string());
+                    let names = names.trim_matches(|c| c == '(' || c == ')' || c == ' ');
+                    targets.extend(names.split(',').map(|n| format!("{}.{}", module.trim(), n.trim())));
+                }
+            } else if let Some(rest) = line.strip_prefix("import ") {
+                targets.extend(rest.split(',').map(|m| m.split(" as ").next().unwrap().trim().to_string()));
+            }
+            for target in targets.into_iter().filter(|t| modules.contains(t) && *t != from) {
+                edges.entry(vec![from.clone()]).or_default().insert(vec![target]);
+            }
+        }
+    }
+    let mut state = BTreeMap::new();
+    let mut cycle = None;
+    for module in &modules {
+        if cycle.is_none() && !state.contains_key(&vec![module.clone()]) {
+            cycle = find_cycle(&vec![module.clone()], &edges, &mut state, &mut Vec::new());
+        }
+    }
+    let imports = edges.values().map(BTreeSet::len).sum::<usize>();
+    assert!(imports > 40, "the scan found too few imports in bench/ ({imports})");
+    assert!(long.is_empty(), "files over {MAX_LINES} lines: {long:?}");
+    assert!(cycle.is_none(), "bench/: module import cycle: {}", cycle.unwrap().join(" -> "));
+}
+
+fn python_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy();
+        if path.is_dir() && !name.starts_with('.') && name != "__pycache__" {
+            python_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "py") {
+            out.push(path);
+        }
+    }
 }
