@@ -177,16 +177,63 @@ impl PostcopyShared {
     /// zero records). Pages may come twice (asked for and pushed); once
     /// every page is here the rest are duplicates and are dropped.
     pub(crate) fn install_frame(&self, payload: &[u8]) -> Result<(), ReceiveError> {
+        // Neighbouring zero records go in as one run.
+        let mut zeros: Option<(u64, u64)> = None;
         for_each_record(payload, self.pages, PAGE_SIZE, |record| {
             let first = record.page_index;
+            if record.encoding == Encoding::Zero {
+                zeros = match zeros {
+                    Some((start, count)) if start + count == first => Some((start, count + 1)),
+                    Some((start, count)) => {
+                        self.install_zero_run(start, count)?;
+                        Some((first, 1))
+                    }
+                    None => Some((first, 1)),
+                };
+                return Ok(());
+            }
+            if let Some((start, count)) = zeros.take() {
+                self.install_zero_run(start, count)?;
+            }
             match record.encoding {
                 Encoding::Raw | Encoding::RawRun => self.install_run(first, record.data),
-                Encoding::Zero => self.install_page(first, None),
                 other => {
                     Err(WireError::bad("postcopy_pages.encoding", format!("{other:?} (raw, raw-run or zero only)")))
                 }
             }
         })?;
+        if let Some((start, count)) = zeros {
+            self.install_zero_run(start, count)?;
+        }
+        Ok(())
+    }
+
+    /// Installs `count` zero pages from `first`: those still missing here
+    /// in runs of one `UFFDIO_ZEROPAGE` each, the others one by one (as
+    /// [`Self::install_run`] does with data).
+    fn install_zero_run(&self, first: u64, count: u64) -> Result<(), WireError> {
+        let mut at = 0;
+        while at < count && self.remaining.load(Ordering::Acquire) > 0 {
+            let missing = (at..count).take_while(|&i| self.missing.is_bit_set((first + i) as usize)).count() as u64;
+            let installed = if missing > 1 {
+                match self.faults.install_zero_leading(first + at, missing) {
+                    Ok(installed) => installed,
+                    // The last page came meanwhile and memory was unregistered.
+                    Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
+                    Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
+                }
+            } else {
+                0
+            };
+            for i in at..at + installed {
+                self.arrived(first + i, None);
+            }
+            at += installed;
+            if installed < missing.max(1) && at < count {
+                self.install_page(first + at, None)?;
+                at += 1;
+            }
+        }
         Ok(())
     }
 
