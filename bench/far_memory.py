@@ -56,7 +56,7 @@ import time
 from tsubame_bench.console import TSC_KHZ_RE, LineLog, progress_points
 from tsubame_bench.control import control_request
 from tsubame_bench.link import Link, remove_stale_namespaces
-from tsubame_bench.memlimit import Cgroup, HostSwap, MemLimitError, Swap
+from tsubame_bench.memlimit import Cgroup, HostSwap, HostThp, MemLimitError, Swap
 from tsubame_bench.units import parse_rate, parse_size
 
 CONFIGS = ["local", "far", "far-10g", "swap-disk", "swap-zram", "qemu-local", "qemu-swap-disk", "qemu-swap-zram"]
@@ -250,9 +250,19 @@ def run_one(args, config, workload, fraction, overhead, work):
                 cmd = link.netns_exec(link.src_ns) + cmd
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             ops = functools.partial(guest_ops, sock)
-        time.sleep(args.warmup)
+        peak_swap = 0
+
+        def watch(seconds):
+            # The swap in use, sampled: an OOM kill frees it at once.
+            nonlocal peak_swap
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                peak_swap = max(peak_swap, swap.used_bytes() if swap else 0)
+                time.sleep(min(0.5, max(0, end - time.monotonic())))
+
+        watch(args.warmup)
         t0, ops0 = time.monotonic(), ops()
-        time.sleep(args.seconds)
+        watch(args.seconds)
         t1, ops1 = time.monotonic(), ops()
         if ops0 is not None and ops1 is not None:
             r["ops_per_sec"] = int((ops1 - ops0) / (t1 - t0))
@@ -260,9 +270,9 @@ def run_one(args, config, workload, fraction, overhead, work):
         r["max_usage_mib"] = cgroup.max_usage() >> 20
         r["oom_kills"] = cgroup.oom_kills()
         if swap:
-            r["swap_used_mib"] = swap.used_bytes() >> 20
+            r["swap_peak_mib"] = peak_swap >> 20
             if not r.get("ops_per_sec"):
-                r["why"] = cgroup.why_stalled(swap)
+                r["why"] = cgroup.why_stalled(peak_swap)
         alive = proc.poll() is None
         if alive and vmm == "tsubame":
             try:
@@ -376,7 +386,7 @@ def fraction_label(f):
     return {0.75: "3/4", 0.5: "1/2", 0.25: "1/4"}.get(f, f"{f:g}")
 
 
-def table(results, fractions, overhead, swappiness):
+def table(results, fractions, overhead, swappiness, thp):
     """ops/s per configuration and local fraction, far memory's ratios to
     each swap baseline, and a note for every run that gave no figure."""
     notes = []
@@ -395,7 +405,7 @@ def table(results, fractions, overhead, swappiness):
     heads = [f"{fraction_label(f)} local" for f in fractions] + ["fully local"]
     rows = ["VMM overhead added to each budget (measured with an idle guest of the same size): "
             + ", ".join(f"{vmm} {v >> 20} MiB" for vmm, v in sorted(overhead.items()))
-            + f"; swappiness {swappiness}; OOM killer on.", "",
+            + f"; swappiness {swappiness}; transparent huge pages {thp}; OOM killer on.", "",
             "| workload | config | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     configs = [c for c in CONFIGS if any(r["config"] == c for r in results)]
@@ -475,6 +485,9 @@ def main(argv=None):
     p.add_argument("--fractions", default="0.75,0.5,0.25",
                    help="local memory as fractions of the working set (the budget of every limited configuration)")
     p.add_argument("--swappiness", type=int, default=60, help="the budget cgroup's memory.swappiness")
+    p.add_argument("--thp", default="never", choices=["never", "madvise", "always"],
+                   help="transparent huge pages host-wide during the runs (never: both VMMs on 4 KiB pages; "
+                        "QEMU asks for huge pages, tsubame runs here with --no-hugepages)")
     p.add_argument("--local", default="1G", help="with --migrate: local memory of migrate-far")
     p.add_argument("--workloads", default="kv,bwmem,stream", help="stream is the sequential scan")
     p.add_argument("--far-link", default="10Gbit", help="the shaped link to the memory host of far-10g")
@@ -508,7 +521,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="tsb-far-", dir="/var/tmp")
     remove_stale_namespaces()
-    results, host_swap = [], None
+    results, host_swap, host_thp = [], None, None
 
     def record(r):
         print(f"far_memory: {r['workload']} {r['config']}: {json.dumps(r)}", file=sys.stderr, flush=True)
@@ -524,7 +537,7 @@ def main(argv=None):
                     record(migrate_one(args, config, workload, work))
             text = migrate_table(results)
         else:
-            host_swap = HostSwap()
+            host_swap, host_thp = HostSwap(), HostThp(args.thp)
             overhead = {vmm: measure_overhead(args, vmm, work) for vmm in sorted({vmm_of(c) for c in configs})}
             print(f"far_memory: measured VMM overhead: {json.dumps({k: v >> 20 for k, v in overhead.items()})} "
                   "MiB", file=sys.stderr, flush=True)
@@ -541,13 +554,15 @@ def main(argv=None):
                     broken = baseline_broken(results, configs)
                     if broken:
                         raise HarnessError(broken)
-            text = table(results, fractions, overhead, args.swappiness)
+            text = table(results, fractions, overhead, args.swappiness, args.thp)
             plot(results, fractions, os.path.join(args.out, "ops-by-local-fraction.png"))
     except MemLimitError as e:
         raise HarnessError(str(e)) from None
     finally:
         if host_swap:
             host_swap.restore()
+        if host_thp:
+            host_thp.restore()
         subprocess.run(["rm", "-rf", work])
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")

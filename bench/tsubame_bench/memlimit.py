@@ -61,6 +61,24 @@ class HostSwap:
                            stderr=subprocess.DEVNULL)
 
 
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+class HostThp:
+    """Sets transparent huge pages host-wide for the measurement (QEMU asks
+    for them on guest memory and tsubame's harness runs pass
+    --no-hugepages: `never` makes both VMMs swap 4 KiB pages) and puts the
+    host's setting back on `restore`."""
+
+    def __init__(self, mode):
+        with open(THP) as f:
+            self.saved = f.read().split("[")[1].split("]")[0]
+        _write(THP, mode)
+
+    def restore(self):
+        _write(THP, self.saved)
+
+
 class Swap:
     """A swap file on the local disk (`disk`) or zram (`zram`), sized to
     hold all of guest memory; the only swap while it lives."""
@@ -135,13 +153,13 @@ class Cgroup:
                 return int(value)
         return 0
 
-    def why_stalled(self, swap):
+    def why_stalled(self, swap_peak):
         """One line on what the cgroup saw, for a run that made no progress."""
         if self.oom_kills():
             return (f"the kernel's OOM killer ended the VM ({self.oom_kills()} kill(s)): the cgroup could not "
-                    f"reclaim enough at its limit ({swap.used_bytes() >> 20} MiB in swap)")
-        return (f"usage {self.stat('rss') >> 20} MiB resident at the limit, {swap.used_bytes() >> 20} MiB "
-                f"in swap: reclaim made no progress")
+                    f"reclaim enough at its limit (at most {swap_peak >> 20} MiB had gone to swap)")
+        return (f"{self.stat('rss') >> 20} MiB resident at the limit, at most {swap_peak >> 20} MiB in swap: "
+                f"reclaim made no progress")
 
     def stop(self):
         for _ in range(50):
