@@ -252,28 +252,16 @@ impl PageFaults {
     /// once all of it is in, instead of faulting again on the next page
     /// while the one before is being installed.
     pub fn install_leading(&self, first: u64, data: &[u8]) -> Result<u64, FaultError> {
-        let pages = (data.len() / PAGE_SIZE) as u64;
-        if pages == 0 || !data.len().is_multiple_of(PAGE_SIZE) {
+        if !data.len().is_multiple_of(PAGE_SIZE) {
             return Ok(0);
         }
-        let dst = self.address(first)?;
-        self.address(first + pages - 1)?;
-        // SAFETY: `dst..dst + data.len()` lies inside the registered
-        // mapping (both ends range checked) and `data` is readable for that
-        // length; UFFDIO_COPY copies atomically per page and stops at the
-        // first present one.
-        let result = unsafe { self.uffd.copy(data.as_ptr(), dst, data.len()) };
-        let installed = match result {
-            // Stopped at a present page: EAGAIN, with what it copied (and
-            // woke) before.
-            Ok(bytes) | Err(InstallError::Partial(bytes)) => (bytes / PAGE_SIZE) as u64,
-            Err(InstallError::Errno(libc::EEXIST)) => 0,
-            Err(e) => return Err(install_failed("UFFDIO_COPY", e)),
-        };
-        for page in first..first + installed {
-            self.installed(page, Ok(PAGE_SIZE), "UFFDIO_COPY")?;
-        }
-        Ok(installed)
+        self.install_leading_with(first, (data.len() / PAGE_SIZE) as u64, "UFFDIO_COPY", |dst| {
+            // SAFETY: `dst..dst + data.len()` lies inside the registered
+            // mapping (both ends range checked before this runs) and `data` is
+            // readable for that length; UFFDIO_COPY copies atomically per
+            // page and stops at the first present one.
+            unsafe { self.uffd.copy(data.as_ptr(), dst, data.len()) }
+        })
     }
 
     /// Installs zero pages from `first`, up to `count`, in one
@@ -282,18 +270,34 @@ impl PageFaults {
     /// (0 when the first is present). A zero-filled guest's post-copy
     /// push took one ioctl a page otherwise.
     pub fn install_zero_leading(&self, first: u64, count: u64) -> Result<u64, FaultError> {
-        if count == 0 {
+        self.install_leading_with(first, count, "UFFDIO_ZEROPAGE", |dst| {
+            self.uffd.zeropage(dst, count as usize * PAGE_SIZE)
+        })
+    }
+
+    /// Both of the above: `call(dst)` fills `pages` pages from `first`'s
+    /// address, stopping at a present one.
+    fn install_leading_with(
+        &self,
+        first: u64,
+        pages: u64,
+        what: &'static str,
+        call: impl FnOnce(usize) -> Result<usize, InstallError>,
+    ) -> Result<u64, FaultError> {
+        if pages == 0 {
             return Ok(0);
         }
         let dst = self.address(first)?;
-        self.address(first + count - 1)?;
-        let installed = match self.uffd.zeropage(dst, count as usize * PAGE_SIZE) {
+        self.address(first + pages - 1)?;
+        let installed = match call(dst) {
+            // Stopped at a present page: EAGAIN, with what it filled (and
+            // woke) before.
             Ok(bytes) | Err(InstallError::Partial(bytes)) => (bytes / PAGE_SIZE) as u64,
             Err(InstallError::Errno(libc::EEXIST)) => 0,
-            Err(e) => return Err(install_failed("UFFDIO_ZEROPAGE", e)),
+            Err(e) => return Err(install_failed(what, e)),
         };
         for page in first..first + installed {
-            self.installed(page, Ok(PAGE_SIZE), "UFFDIO_ZEROPAGE")?;
+            self.installed(page, Ok(PAGE_SIZE), what)?;
         }
         Ok(installed)
     }

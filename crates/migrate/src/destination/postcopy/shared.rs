@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchDecompressor;
 use tsubame_farmem::FarReader;
 use tsubame_vmm::memory::{self, GuestMemory};
-use tsubame_vmm::uffd::{Installed, PageFaults};
+use tsubame_vmm::uffd::{FaultError, Installed, PageFaults};
 use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 use vm_memory::bitmap::AtomicBitmap;
 
@@ -208,51 +208,41 @@ impl PostcopyShared {
         Ok(())
     }
 
-    /// Installs `count` zero pages from `first`: those still missing here
-    /// in runs of one `UFFDIO_ZEROPAGE` each, the others one by one (as
-    /// [`Self::install_run`] does with data).
-    fn install_zero_run(&self, first: u64, count: u64) -> Result<(), WireError> {
-        let mut at = 0;
-        while at < count && self.remaining.load(Ordering::Acquire) > 0 {
-            let missing = (at..count).take_while(|&i| self.missing.is_bit_set((first + i) as usize)).count() as u64;
-            let installed = if missing > 1 {
-                match self.faults.install_zero_leading(first + at, missing) {
-                    Ok(installed) => installed,
-                    // The last page came meanwhile and memory was unregistered.
-                    Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
-                    Err(e) => return Err(WireError::bad("postcopy_pages.page", e.to_string())),
-                }
-            } else {
-                0
-            };
-            for i in at..at + installed {
-                self.arrived(first + i, None);
-            }
-            at += installed;
-            if installed < missing.max(1) && at < count {
-                self.install_page(first + at, None)?;
-                at += 1;
-            }
-        }
-        Ok(())
-    }
-
     /// Installs consecutive pages from `first`: those still missing here
     /// in runs of one `UFFDIO_COPY` each (a guest following the push
     /// faulted on nearly every page of a run installed page by page:
     /// fill-random's 4 GiB took 90-160 thousand faults), the others one by
     /// one.
     fn install_run(&self, first: u64, data: &[u8]) -> Result<(), WireError> {
-        let pages = (data.len() / PAGE_SIZE) as u64;
-        let page_data = |i: u64| -> &[u8; PAGE_SIZE] {
-            data[i as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().expect("whole pages")
+        let page = |i: u64| -> Option<&[u8; PAGE_SIZE]> {
+            Some(data[i as usize * PAGE_SIZE..][..PAGE_SIZE].try_into().expect("whole pages"))
         };
+        self.install_pages(first, (data.len() / PAGE_SIZE) as u64, page, |at, count| {
+            self.faults.install_leading(first + at, &data[at as usize * PAGE_SIZE..(at + count) as usize * PAGE_SIZE])
+        })
+    }
+
+    /// Installs `count` zero pages from `first` the same way, in runs of
+    /// one `UFFDIO_ZEROPAGE` each.
+    fn install_zero_run(&self, first: u64, count: u64) -> Result<(), WireError> {
+        self.install_pages(first, count, |_| None, |at, n| self.faults.install_zero_leading(first + at, n))
+    }
+
+    /// The loop of both: `leading(at, n)` installs up to `n` missing pages
+    /// from `first + at` in one call and says how many it did; `page(i)` is
+    /// page `first + i`'s data (`None`: zeros) for one-by-one installs.
+    fn install_pages<'d>(
+        &self,
+        first: u64,
+        count: u64,
+        page: impl Fn(u64) -> Option<&'d [u8; PAGE_SIZE]>,
+        leading: impl Fn(u64, u64) -> Result<u64, FaultError>,
+    ) -> Result<(), WireError> {
         let mut at = 0;
-        while at < pages && self.remaining.load(Ordering::Acquire) > 0 {
-            let missing = (at..pages).take_while(|&i| self.missing.is_bit_set((first + i) as usize)).count() as u64;
+        while at < count && self.remaining.load(Ordering::Acquire) > 0 {
+            let missing = (at..count).take_while(|&i| self.missing.is_bit_set((first + i) as usize)).count() as u64;
             let installed = if missing > 1 {
-                let run = &data[at as usize * PAGE_SIZE..(at + missing) as usize * PAGE_SIZE];
-                match self.faults.install_leading(first + at, run) {
+                match leading(at, missing) {
                     Ok(installed) => installed,
                     // The last page came meanwhile and memory was unregistered.
                     Err(_) if self.remaining.load(Ordering::Acquire) == 0 => return Ok(()),
@@ -262,12 +252,12 @@ impl PostcopyShared {
                 0
             };
             for i in at..at + installed {
-                self.arrived(first + i, Some(page_data(i)));
+                self.arrived(first + i, page(i));
             }
             at += installed;
             // A page present already, or a run of one.
-            if installed < missing.max(1) && at < pages {
-                self.install_page(first + at, Some(page_data(at)))?;
+            if installed < missing.max(1) && at < count {
+                self.install_page(first + at, page(at))?;
                 at += 1;
             }
         }
