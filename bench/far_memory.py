@@ -296,10 +296,11 @@ def run_one(args, config, workload, fraction, overhead, work):
             proc.kill()
             _, err = proc.communicate()
         err = err or ""
+        said = f": {err.strip()[-200:]}" if err.strip() else ""
         if not alive:
-            r["failed"] = f"the VMM died during the run, {stopped_by(proc.returncode)}: {err.strip()[-200:]}"
+            r["failed"] = f"the VMM died during the run, {stopped_by(proc.returncode)}{said}"
         elif vmm == "tsubame" and proc.returncode != 0:
-            r["failed"] = f"{stopped_by(proc.returncode)}: {err.strip()[-200:]}"
+            r["failed"] = f"{stopped_by(proc.returncode)}{said}"
         elif "ops_per_sec" not in r:
             r["failed"] = "no progress reading from the guest"
         if "failed" in r:
@@ -429,7 +430,12 @@ def table(results, fractions, overhead, swappiness, thp):
             for f in fractions:
                 far, b = by.get((w, "far", f)), by.get((w, base, 1.0 if base == "local" else f))
                 fo, bo = (far or {}).get("ops_per_sec"), (b or {}).get("ops_per_sec")
-                cells.append(f"{fo / bo:.2f}×" if fo and bo else ("∞" if fo and bo == 0 else ""))
+                if fo and bo:
+                    cells.append(f"{fo / bo:.2f}×")
+                elif fo and b and (bo == 0 or "failed" in b):
+                    cells.append("∞ (it " + ("failed)" if "failed" in b else "made 0)"))
+                else:
+                    cells.append("")
             if any(cells):
                 rows.append(f"| {w} | far ÷ {base} | " + " | ".join(cells + [""]) + " |")
     if notes:
