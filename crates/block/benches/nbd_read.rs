@@ -37,7 +37,7 @@ fn main() {
     {
         Ok(child) => Server(child),
         Err(e) => {
-            eprintln!("nbd_read: skipped: cannot run nbdkit ({e}); install it (scripts/install-deps.sh)");
+            eprintln!("nbd_read: skipped: cannot run nbdkit ({e}); scripts/setup.sh installs it");
             return;
         }
     };
