@@ -83,13 +83,21 @@ fn eight_vms_migrate_at_once() {
         // A destination that stops answering is a defect to find: say what
         // its threads wait on (two runs in five of the whole suite, once
         // after the fault campaign, saw one stop answering, always the one
-        // that converged in pre-copy while the others switched to post-copy).
+        // that converged in pre-copy while the others switched to post-copy;
+        // 2026-11-28 20:20: its control-conn thread was in D state in
+        // vm_mmap_pgoff for over 10 s, waiting on the mmap lock, its vCPU
+        // running in PVM's exit handler: khugepaged collapsing the
+        // pre-copy VM's 4 KiB pages is the suspect, so its stack is shown).
         let mut stats = |which: &str| match ask(&sock, &json!({"cmd": "stats"})) {
             Ok(reply) => reply,
             Err(why) => {
                 let dest = &mut procs[2 * i + 1].0;
                 let (pid, status) = (dest.id(), dest.try_wait());
-                panic!("VM {i}: {which} stats: {why}; destination {pid} ({status:?}):{}", threads_of(pid));
+                panic!(
+                    "VM {i}: {which} stats: {why}; destination {pid} ({status:?}):{}\nkhugepaged:{}",
+                    threads_of(pid),
+                    khugepaged()
+                );
             }
         };
         let first = stats("first");
@@ -117,4 +125,17 @@ fn threads_of(pid: u32) -> String {
         threads += &format!("\n  {name_state} waiting in {}\n{}", read("wchan"), read("stack"));
     }
     threads
+}
+
+/// khugepaged's state and kernel stack: it takes the mmap lock of the
+/// processes whose pages it collapses.
+fn khugepaged() -> String {
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let read = |file: &str| std::fs::read_to_string(entry.path().join(file)).unwrap_or_default();
+        if read("comm").trim() == "khugepaged" {
+            let state = read("stat").split(' ').nth(2).unwrap_or("?").to_string();
+            return format!(" {state} waiting in {}\n{}", read("wchan"), read("stack"));
+        }
+    }
+    " not found".into()
 }
