@@ -81,13 +81,11 @@ fn eight_vms_migrate_at_once() {
     for i in 0..VMS {
         let sock = dir.join(format!("dest-{i}.sock"));
         // A destination that stops answering is a defect to find: say what
-        // its threads wait on (two runs in five of the whole suite, once
-        // after the fault campaign, saw one stop answering, always the one
-        // that converged in pre-copy while the others switched to post-copy;
-        // 2026-11-28 20:20: its control-conn thread was in D state in
-        // vm_mmap_pgoff for over 10 s, waiting on the mmap lock, its vCPU
-        // running in PVM's exit handler: khugepaged collapsing the
-        // pre-copy VM's 4 KiB pages is the suspect, so its stack is shown).
+        // its threads and khugepaged wait on. The one known cause: the VM
+        // that converged in pre-copy, its control thread waiting on the
+        // mmap lock that khugepaged holds while collapsing the VM's 4 KiB
+        // pages livelocks with the running vCPU in KVM's MMU notifier
+        // under PVM (docs/results.md, issue 49).
         let mut stats = |which: &str| match ask(&sock, &json!({"cmd": "stats"})) {
             Ok(reply) => reply,
             Err(why) => {
