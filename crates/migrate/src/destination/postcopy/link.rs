@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use super::shared::{PostcopyShared, Unpacker};
+use super::shared::{Ending, PostcopyShared, Unpacker};
 use crate::destination::error::ReceiveError;
 use crate::protocol::{self, ErrorMessage, FrameKind, Resume, ResumeAck, WireError};
 use crate::transport::{Listener, Security, Stream};
@@ -30,11 +30,66 @@ pub(crate) struct Reconnect {
 /// then takes whatever it still sends (its DIGEST) until it closes; false
 /// while the phase goes on.
 fn tell_done(shared: &PostcopyShared, io: &mut (impl Read + Write)) -> Result<bool, ReceiveError> {
-    let Some(done) = shared.done.lock().unwrap().clone() else { return Ok(false) };
-    protocol::write_frame(&mut *io, FrameKind::PostcopyDone, &done)?;
+    let Some(done) = shared.done() else { return Ok(false) };
+    tell(io, &done)?;
+    Ok(true)
+}
+
+/// POSTCOPY_DONE (`done`'s bytes) on `io`, then whatever the source still
+/// sends until it closes: closing with its DIGEST unread could reset the
+/// connection before it reads the outcome.
+fn tell(io: &mut (impl Read + Write), done: &[u8]) -> Result<(), ReceiveError> {
+    protocol::write_frame(&mut *io, FrameKind::PostcopyDone, done)?;
     io.flush()?;
     let _ = std::io::copy(io, &mut std::io::sink());
-    Ok(true)
+    Ok(())
+}
+
+/// [`tell`] on a thread of its own, for a link the phase took too late.
+pub(super) fn tell_done_apart(mut stream: Stream, done: Vec<u8>) {
+    let _ = std::thread::Builder::new().name("postcopy-done".into()).spawn(move || {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+        let _ = tell(&mut stream, &done);
+    });
+}
+
+/// Gives a reconnected channel 0 to the phase while it takes links; once
+/// it takes no more (every page and the digest are here), the source is
+/// told the outcome instead, as soon as it is known.
+fn hand_over(shared: &PostcopyShared, events: &Sender<Event>, mut stream: Stream) {
+    loop {
+        // The ending cannot change while a link is queued: the phase looks
+        // at the queue once more after closing.
+        let queued = shared.with_ending(|ending| match ending {
+            Ending::Open => match events.try_send(Event::Resumed(stream)) {
+                Ok(()) => Ok(true),
+                Err(e) => {
+                    let full = e.is_full();
+                    match e.into_inner() {
+                        Event::Resumed(back) => Err((back, full)),
+                        _ => Ok(true),
+                    }
+                }
+            },
+            _ => Err((stream, false)),
+        });
+        match queued {
+            Ok(_) => return,
+            Err((back, true)) => {
+                // The phase reads the queue all the time: room comes soon.
+                stream = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err((back, false)) => {
+                stream = back;
+                break;
+            }
+        }
+    }
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    if let Some(done) = shared.wait_done() {
+        let _ = tell(&mut stream, &done);
+    }
 }
 
 /// What a reconnection turned out to be.
@@ -151,7 +206,7 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
         let mut linger_until = None;
         loop {
             if shared.stop.load(Ordering::Acquire) {
-                if shared.done.lock().unwrap().is_none() {
+                if shared.done().is_none() {
                     return; // failed: nothing to tell
                 }
                 let until = *linger_until.get_or_insert_with(|| Instant::now() + shared.timeout);
@@ -177,19 +232,71 @@ pub(super) fn spawn_acceptor(shared: Arc<PostcopyShared>, reconnect: Reconnect, 
             })();
             if let Ok(Some(stream)) = result {
                 let _ = stream.set_read_timeout(None);
-                if let Err(crossbeam_channel::SendError(Event::Resumed(mut stream))) =
-                    events.send(Event::Resumed(stream))
-                {
-                    // The phase ended after the ack: a source that heard
-                    // nothing more would come back to a listener gone with
-                    // this thread (a cut test failed once in a way this
-                    // fits), so it hears the outcome here.
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-                    if !matches!(tell_done(&shared, &mut stream), Ok(true)) {
-                        return;
-                    }
-                }
+                hand_over(&shared, &events, stream);
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Mutex;
+
+    use tsubame_vmm::{memory, DirtyBitmap, PAGE_SIZE};
+
+    use super::*;
+
+    /// A phase with nothing missing, on the smallest memory.
+    fn shared() -> Arc<PostcopyShared> {
+        let pages = memory::MIN_MEMORY / PAGE_SIZE as u64;
+        let mem = Arc::new(memory::create(memory::MIN_MEMORY, false).unwrap());
+        let back: super::super::BackChannel = Arc::new(Mutex::new(Box::new(std::io::sink())));
+        PostcopyShared::start(mem, &DirtyBitmap::new(pages), vec![0; pages as usize], back, Duration::ZERO, None)
+            .unwrap()
+    }
+
+    /// A reconnected channel 0, and the source's end of it.
+    fn link() -> (Stream, UnixStream) {
+        let (here, there) = UnixStream::pair().unwrap();
+        (Stream::Unix(here), there)
+    }
+
+    #[test]
+    fn a_link_back_while_the_phase_closes_waits_for_the_outcome_and_hears_it() {
+        let shared = shared();
+        let (events, queue) = crossbeam_channel::bounded(1);
+        shared.close_links();
+        let (stream, mut source) = link();
+        let teller = {
+            let shared = shared.clone();
+            std::thread::spawn(move || hand_over(&shared, &events, stream))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(queue.try_recv().is_err(), "a closing phase was handed a link it would never read");
+        shared.end(Some(b"outcome".to_vec()));
+        let mut frame = Vec::new();
+        assert_eq!(protocol::read_frame(&mut source, &mut frame).unwrap(), FrameKind::PostcopyDone);
+        assert_eq!(frame, b"outcome");
+        drop(source);
+        teller.join().unwrap();
+    }
+
+    #[test]
+    fn an_open_phase_takes_the_link_and_a_failed_one_closes_it_unanswered() {
+        let shared = shared();
+        let (events, queue) = crossbeam_channel::bounded(1);
+        let (stream, _source) = link();
+        hand_over(&shared, &events, stream);
+        assert!(matches!(queue.try_recv(), Ok(Event::Resumed(_))));
+        shared.close_links();
+        shared.end(None);
+        let (stream, mut source) = link();
+        hand_over(&shared, &events, stream);
+        assert!(queue.try_recv().is_err());
+        let mut heard = Vec::new();
+        source.read_to_end(&mut heard).unwrap();
+        assert!(heard.is_empty(), "{heard:?}");
+    }
 }

@@ -21,7 +21,7 @@ use tsubame_vmm::uffd::{FaultStats, PageFaults};
 use tsubame_vmm::PAGE_SIZE;
 
 pub(crate) use self::link::Reconnect;
-use self::link::{spawn_acceptor, spawn_reader, spawn_urgent, Event};
+use self::link::{spawn_acceptor, spawn_reader, spawn_urgent, tell_done_apart, Event};
 pub use self::shared::BackChannel;
 pub(crate) use self::shared::{write_flushed, PostcopyShared, Unpacker};
 use crate::destination::error::ReceiveError;
@@ -124,6 +124,7 @@ pub(super) fn run(
             // request connection's reader and the vCPU go first.
             let _background = tsubame_vmm::cpu_time::lower_thread_priority();
             let result = phase(&main, &events, &events_tx, digest_region, can_resume);
+            main.end(None);
             main.stop.store(true, Ordering::Release);
             if let Ok(handle) = faults {
                 let _ = handle.join();
@@ -223,6 +224,17 @@ fn phase(
             Err(_) => {}
         }
     }
+    // Links that came back after the last look at the queue are told how
+    // the phase ended, once it is known; later ones wait for it at the
+    // acceptor.
+    shared.close_links();
+    let late: Vec<Stream> = events
+        .try_iter()
+        .filter_map(|event| match event {
+            Event::Resumed(stream) => Some(stream),
+            _ => None,
+        })
+        .collect();
     let theirs = theirs.expect("checked above");
     let ours = shared.digest(region);
     let differing = theirs.differing(&ours);
@@ -243,12 +255,15 @@ fn phase(
         cpu_micros: ((process_cpu_seconds() - shared.cpu_at_start) * 1e6) as u64,
         guest_ops_per_sec,
     };
-    if differing.is_empty() {
-        *shared.done.lock().unwrap() = Some(done.encode());
-    }
+    shared.end(differing.is_empty().then(|| done.encode()));
     {
         let mut back = shared.back.lock().unwrap();
         let _ = protocol::write_frame(&mut *back, FrameKind::PostcopyDone, &done.encode()).and_then(|_| back.flush());
+    }
+    if differing.is_empty() {
+        for stream in late {
+            tell_done_apart(stream, done.encode());
+        }
     }
     if let Some(&first) = differing.first() {
         return Err(ReceiveError::DigestMismatch {

@@ -86,9 +86,24 @@ pub(crate) struct PostcopyShared {
     pub(super) timeout: Duration,
     /// Times the link came back.
     pub(super) resumes: AtomicU64,
-    /// POSTCOPY_DONE as sent once every page was here and matched: a
-    /// source cut off before it heard it reconnects and is told again.
-    pub(super) done: Mutex<Option<Vec<u8>>>,
+    /// How the phase ended, for a source cut off before it heard
+    /// POSTCOPY_DONE: it reconnects and is told again.
+    ending: (Mutex<Ending>, Condvar),
+}
+
+/// Where the phase stands for a source that comes back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Ending {
+    /// Taking links: a reconnected channel 0 goes to the phase.
+    Open,
+    /// Every page and the digest are here and being compared: a source
+    /// that comes back now waits for the outcome (a link handed to the
+    /// phase then would never be read: a cut test lost its VM that way).
+    Closing,
+    /// POSTCOPY_DONE as sent once every page was here and matched.
+    Done(Vec<u8>),
+    /// Failed or mismatched: nothing to tell.
+    Failed,
 }
 
 impl PostcopyShared {
@@ -130,7 +145,7 @@ impl PostcopyShared {
             link_up: AtomicBool::new(true),
             timeout,
             resumes: AtomicU64::new(0),
-            done: Mutex::new(None),
+            ending: (Mutex::new(Ending::Open), Condvar::new()),
         }))
     }
 
@@ -394,6 +409,48 @@ impl PostcopyShared {
             self.requests_sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
         back.flush()
+    }
+
+    /// Runs `then` with the phase's ending held (it cannot change meanwhile).
+    pub(super) fn with_ending<T>(&self, then: impl FnOnce(&Ending) -> T) -> T {
+        then(&self.ending.0.lock().unwrap())
+    }
+
+    /// The phase takes no more links (an open phase only).
+    pub(super) fn close_links(&self) {
+        let mut ending = self.ending.0.lock().unwrap();
+        if *ending == Ending::Open {
+            *ending = Ending::Closing;
+        }
+    }
+
+    /// How the phase ended: POSTCOPY_DONE's bytes, or None for a failure.
+    /// The first call counts.
+    pub(super) fn end(&self, done: Option<Vec<u8>>) {
+        let mut ending = self.ending.0.lock().unwrap();
+        if matches!(*ending, Ending::Open | Ending::Closing) {
+            *ending = done.map_or(Ending::Failed, Ending::Done);
+            self.ending.1.notify_all();
+        }
+    }
+
+    /// POSTCOPY_DONE's bytes once every page was here and matched; None
+    /// while the phase goes on, or after a failure.
+    pub(super) fn done(&self) -> Option<Vec<u8>> {
+        match &*self.ending.0.lock().unwrap() {
+            Ending::Done(done) => Some(done.clone()),
+            _ => None,
+        }
+    }
+
+    /// Like [`Self::done`], but waits out a phase that is closing.
+    pub(super) fn wait_done(&self) -> Option<Vec<u8>> {
+        let ending = self.ending.0.lock().unwrap();
+        let ending = self.ending.1.wait_while(ending, |e| *e == Ending::Closing).unwrap();
+        match &*ending {
+            Ending::Done(done) => Some(done.clone()),
+            _ => None,
+        }
     }
 
     /// True when every page is here (or the phase failed).
