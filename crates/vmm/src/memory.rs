@@ -116,6 +116,70 @@ pub fn advise_hugepages(mem: &GuestMemory) {
     }
 }
 
+/// Pages of a 2 MiB range that make it dense enough for a huge page: one
+/// costs at most an eighth more memory than the pages it replaces.
+pub const DENSE_PAGES: usize = 448;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// What [`back_dense_with_huge_pages`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct HugePageBacking {
+    /// 2 MiB ranges looked at.
+    pub ranges: u64,
+    /// Ranges with [`DENSE_PAGES`] or more pages backed.
+    pub dense: u64,
+    /// Dense ranges now backed by a huge page.
+    pub backed: u64,
+}
+
+/// Backs guest memory's densely populated 2 MiB ranges with huge pages,
+/// one range at a time (MADV_COLLAPSE), resting `rest` after each, until
+/// done or `stop` says so. For memory written in 4 KiB pages, as a
+/// destination receives it: asking the kernel for huge pages there
+/// (MADV_HUGEPAGE) leaves the work to khugepaged, which under PVM held the
+/// process's mmap lock for more than 10 s at a time while it collapsed
+/// ranges under a running vCPU at its low priority (issue 49), took
+/// minutes to get to a large guest, and filled sparse ranges too. A kernel
+/// without MADV_COLLAPSE (before 6.1) leaves memory as it is.
+pub fn back_dense_with_huge_pages(
+    mem: &GuestMemory,
+    rest: std::time::Duration,
+    stop: &dyn Fn() -> bool,
+) -> HugePageBacking {
+    let mut done = HugePageBacking::default();
+    let Some((base, len)) = single_mapping(mem) else { return done };
+    // The huge-page-aligned part of the mapping (all of it, as the kernel
+    // aligns large anonymous mappings).
+    let first = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
+    let mut resident = [0u8; HUGE_PAGE / PAGE_SIZE];
+    for offset in (first..len.saturating_sub(HUGE_PAGE - 1)).step_by(HUGE_PAGE) {
+        if stop() {
+            break;
+        }
+        done.ranges += 1;
+        // SAFETY: offset..offset + 2 MiB lies inside guest memory's one
+        // mapping, and `resident` holds one byte per page of it.
+        let range = unsafe { base.add(offset) }.cast_mut().cast::<libc::c_void>();
+        // SAFETY: as above; mincore only reports which pages are backed.
+        if unsafe { libc::mincore(range, HUGE_PAGE, resident.as_mut_ptr()) } != 0 {
+            break;
+        }
+        if resident.iter().filter(|&&r| r & 1 != 0).count() < DENSE_PAGES {
+            continue;
+        }
+        done.dense += 1;
+        // SAFETY: as above; MADV_COLLAPSE copies the range's pages into a
+        // huge page, contents unchanged (empty ones read as zeros either way).
+        if unsafe { libc::madvise(range, HUGE_PAGE, libc::MADV_COLLAPSE) } == 0 {
+            done.backed += 1;
+        } else if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            break; // no MADV_COLLAPSE here
+        }
+        std::thread::sleep(rest);
+    }
+    done
+}
+
 /// Backs `pages` pages of guest memory from page `first` on (clipped to
 /// guest memory) in one call, ahead of writing them: the kernel fills the
 /// range without a page fault per page. Nothing unless guest memory is one
@@ -274,6 +338,25 @@ mod tests {
         assert!(matches!(create(4 << 20, false), Err(MemoryError::BadSize(_))));
         assert!(matches!(create((16 << 20) + 4096, false), Err(MemoryError::BadSize(_))));
         assert!(matches!(create(128 << 30, false), Err(MemoryError::BadSize(_))));
+    }
+
+    #[test]
+    fn dense_ranges_get_huge_pages_and_keep_their_bytes() {
+        let mem = create(16 << 20, false).unwrap();
+        // 2 MiB ranges 0 and 1 written whole, range 2 in 64 scattered pages.
+        for page in (0..1024u64).chain((1024..1536).step_by(8)) {
+            write(&mem, page * PAGE_SIZE as u64 + 7, &[page as u8 | 1]).unwrap();
+        }
+        let done = back_dense_with_huge_pages(&mem, std::time::Duration::ZERO, &|| false);
+        assert_eq!(done, HugePageBacking { ranges: 8, dense: 2, backed: 2 });
+        for page in 0..4096u64 {
+            let mut byte = [0u8];
+            mem.read_slice(&mut byte, GuestAddress(page * PAGE_SIZE as u64 + 7)).unwrap();
+            let written = page < 1024 || (page < 1536 && page % 8 == 0);
+            assert_eq!(byte[0], if written { page as u8 | 1 } else { 0 }, "page {page}");
+        }
+        let stopped = back_dense_with_huge_pages(&mem, std::time::Duration::ZERO, &|| true);
+        assert_eq!(stopped, HugePageBacking::default());
     }
 
     #[test]

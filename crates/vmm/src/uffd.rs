@@ -20,8 +20,8 @@
 //!
 //! Limits: guest memory must be one anonymous private mapping (as
 //! `memory::create` makes it); transparent huge pages are not used while
-//! registered (khugepaged leaves registered ranges alone), so ask for them
-//! only after [`PageFaults::unregister`].
+//! registered (khugepaged leaves registered ranges alone), so back memory
+//! with them only after [`PageFaults::unregister`].
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;

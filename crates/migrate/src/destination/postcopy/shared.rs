@@ -317,7 +317,7 @@ impl PostcopyShared {
             // registration over.
             if self.far.is_none() {
                 let _ = self.faults.unregister();
-                memory::advise_hugepages(&self.mem);
+                crate::destination::landing::back_with_huge_pages(self.mem.clone());
             }
             self.settle();
         }
