@@ -77,7 +77,7 @@ pub fn feed(data: &[u8]) -> Result<Fed, ReceiveError> {
     let mem = Arc::new(memory::create(pages * PAGE_SIZE as u64, false).map_err(tsubame_vmm::VmError::from)?);
     let back: super::BackChannel = Arc::new(Mutex::new(Box::new(std::io::sink())));
     let held = vec![zero_page_hash(); pages as usize];
-    let shared = PostcopyShared::start(mem, &start.missing, held, back, Duration::ZERO, None)?;
+    let shared = PostcopyShared::start(mem, &start.missing, held, back, Duration::ZERO, None, false)?;
     let mut fed = Fed::default();
     let mut unpacker = Unpacker::default();
     let mut theirs = None;

@@ -253,7 +253,7 @@ mod tests {
         let pages = memory::MIN_MEMORY / PAGE_SIZE as u64;
         let mem = Arc::new(memory::create(memory::MIN_MEMORY, false).unwrap());
         let back: super::super::BackChannel = Arc::new(Mutex::new(Box::new(std::io::sink())));
-        PostcopyShared::start(mem, &DirtyBitmap::new(pages), vec![0; pages as usize], back, Duration::ZERO, None)
+        PostcopyShared::start(mem, &DirtyBitmap::new(pages), vec![0; pages as usize], back, Duration::ZERO, None, false)
             .unwrap()
     }
 

@@ -89,6 +89,8 @@ pub(crate) struct PostcopyShared {
     /// How the phase ended, for a source cut off before it heard
     /// POSTCOPY_DONE: it reconnects and is told again.
     ending: (Mutex<Ending>, Condvar),
+    /// Back memory with huge pages once every page is here.
+    hugepages: bool,
 }
 
 /// Where the phase stands for a source that comes back.
@@ -116,6 +118,7 @@ impl PostcopyShared {
         back: BackChannel,
         timeout: Duration,
         far: Option<(FarReader, Arc<FarPageHashes>)>,
+        hugepages: bool,
     ) -> Result<Arc<PostcopyShared>, ReceiveError> {
         let faults = PageFaults::register(&mem).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
         faults.discard_set(missing).map_err(|e| ReceiveError::Postcopy(e.to_string()))?;
@@ -146,6 +149,7 @@ impl PostcopyShared {
             timeout,
             resumes: AtomicU64::new(0),
             ending: (Mutex::new(Ending::Open), Condvar::new()),
+            hugepages,
         }))
     }
 
@@ -317,7 +321,9 @@ impl PostcopyShared {
             // registration over.
             if self.far.is_none() {
                 let _ = self.faults.unregister();
-                crate::destination::landing::back_with_huge_pages(self.mem.clone());
+                if self.hugepages {
+                    crate::destination::landing::back_with_huge_pages(self.mem.clone());
+                }
             }
             self.settle();
         }
