@@ -84,12 +84,13 @@ pub(crate) fn back_with_huge_pages(mem: Arc<GuestMemory>) {
 
 /// Lands the VM in a KVM VM.
 ///
-/// Memory is mapped with 4 KiB pages while pages arrive and asks for huge
-/// pages only when the guest starts: with huge pages, every page written
-/// into a fresh 2 MiB region costs the kernel zeroing all 2 MiB, and a
-/// guest whose pages are few and scattered (GMigrate's "Best") made the
-/// destination zero gigabytes it never needed (12-15 s instead of 1.8 s
-/// for 4 GiB of `fill-zero` at 1 Gbit/s).
+/// Memory is mapped with 4 KiB pages while pages arrive, and its dense
+/// ranges are backed with huge pages once the guest runs
+/// ([`back_with_huge_pages`]): with huge pages, every page written into a
+/// fresh 2 MiB region costs the kernel zeroing all 2 MiB, and a guest whose
+/// pages are few and scattered (GMigrate's "Best") made the destination
+/// zero gigabytes it never needed (12-15 s instead of 1.8 s for 4 GiB of
+/// `fill-zero` at 1 Gbit/s).
 pub(super) struct VmLanding {
     pub(super) vm: Option<Vm>,
     /// The state its paused vCPU thread loads meanwhile.
