@@ -180,6 +180,17 @@ pub fn back_dense_with_huge_pages(
     done
 }
 
+/// [`back_dense_with_huge_pages`] on a thread of its own, for memory
+/// received in 4 KiB pages whose guest runs now: a range at a time with
+/// 5 ms rests keeps the guest's CPU and the mmap lock mostly free. It
+/// stops when the memory's last other holder (the VM) lets go.
+pub fn back_dense_with_huge_pages_later(mem: std::sync::Arc<GuestMemory>) {
+    const REST: std::time::Duration = std::time::Duration::from_millis(5);
+    let _ = std::thread::Builder::new()
+        .name("huge-pages".into())
+        .spawn(move || back_dense_with_huge_pages(&mem, REST, &|| std::sync::Arc::strong_count(&mem) == 1));
+}
+
 /// Backs `pages` pages of guest memory from page `first` on (clipped to
 /// guest memory) in one call, ahead of writing them: the kernel fills the
 /// range without a page fault per page. Nothing unless guest memory is one

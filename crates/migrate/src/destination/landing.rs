@@ -69,24 +69,11 @@ pub trait Landing {
     }
 }
 
-/// Backs landed guest memory's densely written ranges with huge pages, on
-/// a thread of its own while the guest runs: memory is received in 4 KiB
-/// pages (zeroing a 2 MiB page for each of a sparse guest's scattered
-/// pages cost seconds), and a range at a time with rests between them
-/// keeps the guest's CPU and the mmap lock mostly free. It stops when the
-/// VM goes.
-pub(crate) fn back_with_huge_pages(mem: Arc<GuestMemory>) {
-    const REST: std::time::Duration = std::time::Duration::from_millis(5);
-    let _ = std::thread::Builder::new()
-        .name("huge-pages".into())
-        .spawn(move || memory::back_dense_with_huge_pages(&mem, REST, &|| Arc::strong_count(&mem) == 1));
-}
-
 /// Lands the VM in a KVM VM.
 ///
 /// Memory is mapped with 4 KiB pages while pages arrive, and its dense
 /// ranges are backed with huge pages once the guest runs
-/// ([`back_with_huge_pages`]): with huge pages, every page written into a
+/// ([`memory::back_dense_with_huge_pages_later`]): with huge pages, every page written into a
 /// fresh 2 MiB region costs the kernel zeroing all 2 MiB, and a guest whose
 /// pages are few and scattered (GMigrate's "Best") made the destination
 /// zero gigabytes it never needed (12-15 s instead of 1.8 s for 4 GiB of
@@ -130,7 +117,7 @@ impl Landing for VmLanding {
         match self.far.as_mut() {
             // Far pages come back through userfaultfd, 4 KiB at a time.
             Some(far) => far.register(vm).map_err(|e| ReceiveError::FarMemory(e.to_string()))?,
-            None if self.hugepages => back_with_huge_pages(vm.memory().clone()),
+            None if self.hugepages => memory::back_dense_with_huge_pages_later(vm.memory().clone()),
             None => {}
         }
         Ok(vm.release()?)

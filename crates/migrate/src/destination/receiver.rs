@@ -205,15 +205,8 @@ impl<'a> StreamReceiver<'a> {
                     (Some(reader), Some(map)) => Some((reader, map)),
                     _ => None,
                 };
-                let postcopy = PostcopyShared::start(
-                    mem,
-                    &start.missing,
-                    held,
-                    writer.clone(),
-                    timeout,
-                    far,
-                    self.options.hugepages,
-                )?;
+                let huge = self.options.hugepages;
+                let postcopy = PostcopyShared::start(mem, &start.missing, held, writer.clone(), timeout, far, huge)?;
                 let _ = shared.postcopy.set(postcopy.clone());
                 // From here to the VM's start every step is on the switch's
                 // path: this thread runs without waiting for a CPU (each

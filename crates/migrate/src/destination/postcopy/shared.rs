@@ -322,7 +322,7 @@ impl PostcopyShared {
             if self.far.is_none() {
                 let _ = self.faults.unregister();
                 if self.hugepages {
-                    crate::destination::landing::back_with_huge_pages(self.mem.clone());
+                    memory::back_dense_with_huge_pages_later(self.mem.clone());
                 }
             }
             self.settle();
