@@ -1,8 +1,8 @@
-"""The pure parts of bench/disk_warm.py: throughput read off progress lines."""
+"""The pure parts of bench/disk_warm.py (tsubame_bench.disk): throughput
+read off progress lines."""
 import pytest
 
-import disk_warm
-from tsubame_bench import HarnessError
+from tsubame_bench import HarnessError, disk
 
 
 def lines(side_points):
@@ -13,7 +13,7 @@ def test_rates_and_the_switch_over():
     # 100 MB/s for 3 s at the source, a 0.5 s stop, then 50 MB/s at the destination.
     src = lines([(t / 10, int(t / 10 * 100e6)) for t in range(31)])
     dst = lines([(3.5 + t / 10, int(300e6 + t / 10 * 50e6)) for t in range(31)])
-    f = disk_warm.figures(src, dst)
+    f = disk.figures(src, dst)
     assert f["before_mbs"] == pytest.approx(100, rel=1e-3)
     assert f["after_mbs"] == pytest.approx(50, rel=1e-3)
     assert f["ratio"] == pytest.approx(0.5, rel=1e-3)
@@ -26,4 +26,4 @@ def test_rates_and_the_switch_over():
 
 def test_a_guest_without_disk_fields_is_an_error():
     with pytest.raises(HarnessError):
-        disk_warm.figures([(0, "tsb ops=1 pass=0")], [(1, "tsb ops=2 pass=0")])
+        disk.figures([(0, "tsb ops=1 pass=0")], [(1, "tsb ops=2 pass=0")])

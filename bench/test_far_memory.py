@@ -1,12 +1,13 @@
-"""bench/far_memory.py: its tables and run order, and one VM run at its
-memory budget under kernel swap (root, KVM, a v1 memory cgroup, zram)."""
+"""bench/far_memory.py's parts (tsubame_bench.far, far_report): its tables
+and run order, and one VM run at its memory budget under kernel swap
+(root, KVM, a v1 memory cgroup, zram)."""
 import argparse
 import os
 import tempfile
 
 import pytest
 
-import far_memory
+from tsubame_bench import far, far_report
 from tsubame_bench.memlimit import CGROUP_ROOT, ZRAM, active_swaps
 from tsubame_bench.testing import TSUBAME, needs_kvm
 
@@ -19,7 +20,7 @@ def result(workload, config, fraction, ops=None, **more):
 
 
 def test_kv_at_half_local_runs_first():
-    order = far_memory.run_order(["bwmem", "kv"], [0.75, 0.5, 0.25])
+    order = far.run_order(["bwmem", "kv"], [0.75, 0.5, 0.25])
     assert order[0] == ("kv", 0.5)
     assert order[1:3] == [("kv", 0.75), ("kv", 0.25)]
     assert [w for w, _ in order[3:]] == ["bwmem"] * 3
@@ -27,15 +28,15 @@ def test_kv_at_half_local_runs_first():
 
 def test_a_swap_baseline_at_zero_stops_the_comparison_and_says_why():
     results = [result("kv", "swap-disk", 0.5, 1200), result("kv", "qemu-swap-disk", 0.5, failed="killed (SIGKILL)")]
-    why = far_memory.baseline_broken(results, ["swap-disk", "qemu-swap-disk"])
+    why = far.baseline_broken(results, ["swap-disk", "qemu-swap-disk"])
     assert "qemu-swap-disk" in why and "SIGKILL" in why
-    assert far_memory.baseline_broken(results[:1], ["swap-disk"]) is None
+    assert far.baseline_broken(results[:1], ["swap-disk"]) is None
 
 
 def test_the_table_gives_far_memory_against_each_baseline_and_notes_each_failure():
     results = [result("kv", "local", 1.0, 1000), result("kv", "far", 0.5, 300, fault_p99_us=80),
                result("kv", "swap-disk", 0.5, 100), result("kv", "swap-zram", 0.5, 0, why="reclaim made no progress")]
-    text = far_memory.table(results, [0.5], {"tsubame": 6 << 20}, 60, "never")
+    text = far_report.table(results, [0.5], {"tsubame": 6 << 20}, 60, "never")
     assert "tsubame 6 MiB" in text and "swappiness 60" in text
     assert "| kv | far | 300 (p99 80 µs) |  |" in text
     assert "| kv | far ÷ swap-disk | 3.00× |  |" in text
@@ -61,7 +62,7 @@ def test_a_vm_at_its_budget_under_zram_is_never_ended_by_sigsegv():
     args = argparse.Namespace(tsubame=TSUBAME, memory="640M", wss="512M", swappiness=60, warmup=10, seconds=5,
                               qemu="qemu-system-x86_64", far_link="10Gbit")
     with tempfile.TemporaryDirectory(dir="/var/tmp") as work:
-        r = far_memory.run_one(args, "swap-zram", "bwmem", 0.25, {"tsubame": 8 << 20}, work)
+        r = far.run_one(args, "swap-zram", "bwmem", 0.25, {"tsubame": 8 << 20}, work)
     assert "SIGSEGV" not in r.get("failed", ""), r
     if "failed" in r or not r.get("ops_per_sec"):
         assert r["oom_kills"] > 0 and "OOM killer" in r["why"], r
