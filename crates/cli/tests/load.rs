@@ -81,11 +81,11 @@ fn eight_vms_migrate_at_once() {
     for i in 0..VMS {
         let sock = dir.join(format!("dest-{i}.sock"));
         // A destination that stops answering is a defect to find: say what
-        // its threads and khugepaged wait on. The one known cause: the VM
-        // that converged in pre-copy, its control thread waiting on the
-        // mmap lock that khugepaged holds while collapsing the VM's 4 KiB
-        // pages livelocks with the running vCPU in KVM's MMU notifier
-        // under PVM (docs/results.md, issue 49).
+        // its threads and khugepaged wait on. The one cause seen: its
+        // control thread waiting on the mmap lock that khugepaged held
+        // while collapsing the VM's 4 KiB pages under a running vCPU under
+        // PVM, before destinations backed their memory with huge pages
+        // themselves (tsubame_vmm::memory::back_dense_with_huge_pages).
         let mut stats = |which: &str| match ask(&sock, &json!({"cmd": "stats"})) {
             Ok(reply) => reply,
             Err(why) => {
