@@ -6,8 +6,9 @@ then e.g.
   python3 bench/ab.py /tmp/old/tsubame target/release/tsubame --runs 3 -- \
       demo --memory 2G --workload kv
 Each run adds `--json`; the table shows total time, downtime, iterations,
-bytes and both ends' migration CPU (the source's migration and stage
-threads, not the guest's vCPU).
+bytes, both ends' migration CPU (the source's migration and stage
+threads, not the guest's vCPU) and the guest's ops/s at the destination
+as a share of its ops/s before.
 """
 import argparse
 import os
@@ -34,6 +35,9 @@ def run(binary, args, path):
         "MiB on wire": stats["bytes_on_wire"] / 2**20,
         "source CPU-s": source_cpu,
         "destination CPU-s": destination_cpu,
+        # The guest's pace after the move, as a share of its pace before.
+        "guest ops at destination ÷ before": stats["demo"]["destination_ops_per_sec"]
+        / max(1.0, stats["demo"]["source_ops_per_sec"]),
     }
 
 
