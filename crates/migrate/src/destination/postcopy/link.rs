@@ -60,31 +60,20 @@ fn hand_over(shared: &PostcopyShared, events: &Sender<Event>, mut stream: Stream
     loop {
         // The ending cannot change while a link is queued: the phase looks
         // at the queue once more after closing.
-        let queued = shared.with_ending(|ending| match ending {
-            Ending::Open => match events.try_send(Event::Resumed(stream)) {
-                Ok(()) => Ok(true),
-                Err(e) => {
-                    let full = e.is_full();
-                    match e.into_inner() {
-                        Event::Resumed(back) => Err((back, full)),
-                        _ => Ok(true),
-                    }
-                }
-            },
-            _ => Err((stream, false)),
-        });
-        match queued {
-            Ok(_) => return,
-            Err((back, true)) => {
-                // The phase reads the queue all the time: room comes soon.
-                stream = back;
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err((back, false)) => {
-                stream = back;
-                break;
-            }
+        let ending = shared.ending();
+        if *ending != Ending::Open {
+            break;
         }
+        let Err(refused) = events.try_send(Event::Resumed(stream)) else { return };
+        let full = refused.is_full();
+        let Event::Resumed(back) = refused.into_inner() else { return };
+        stream = back;
+        if !full {
+            break; // the phase is gone: its ending is known
+        }
+        drop(ending);
+        // The phase reads the queue all the time: room comes soon.
+        std::thread::sleep(Duration::from_millis(1));
     }
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     if let Some(done) = shared.wait_done() {

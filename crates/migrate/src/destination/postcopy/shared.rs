@@ -108,6 +108,16 @@ pub(super) enum Ending {
     Failed,
 }
 
+impl Ending {
+    /// POSTCOPY_DONE's bytes, once it is Done.
+    fn done(&self) -> Option<Vec<u8>> {
+        match self {
+            Ending::Done(done) => Some(done.clone()),
+            _ => None,
+        }
+    }
+}
+
 impl PostcopyShared {
     /// Registers `mem` for faults, drops the `missing` pages, and takes the
     /// page hashes of what is held (`held_hashes`, from the digest).
@@ -417,9 +427,9 @@ impl PostcopyShared {
         back.flush()
     }
 
-    /// Runs `then` with the phase's ending held (it cannot change meanwhile).
-    pub(super) fn with_ending<T>(&self, then: impl FnOnce(&Ending) -> T) -> T {
-        then(&self.ending.0.lock().unwrap())
+    /// The phase's ending, held (it cannot change meanwhile).
+    pub(super) fn ending(&self) -> std::sync::MutexGuard<'_, Ending> {
+        self.ending.0.lock().unwrap()
     }
 
     /// The phase takes no more links (an open phase only).
@@ -443,20 +453,12 @@ impl PostcopyShared {
     /// POSTCOPY_DONE's bytes once every page was here and matched; None
     /// while the phase goes on, or after a failure.
     pub(super) fn done(&self) -> Option<Vec<u8>> {
-        match &*self.ending.0.lock().unwrap() {
-            Ending::Done(done) => Some(done.clone()),
-            _ => None,
-        }
+        self.ending().done()
     }
 
     /// Like [`Self::done`], but waits out a phase that is closing.
     pub(super) fn wait_done(&self) -> Option<Vec<u8>> {
-        let ending = self.ending.0.lock().unwrap();
-        let ending = self.ending.1.wait_while(ending, |e| *e == Ending::Closing).unwrap();
-        match &*ending {
-            Ending::Done(done) => Some(done.clone()),
-            _ => None,
-        }
+        self.ending.1.wait_while(self.ending(), |e| *e == Ending::Closing).unwrap().done()
     }
 
     /// True when every page is here (or the phase failed).
