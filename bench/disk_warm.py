@@ -24,11 +24,18 @@ Configurations (`--configs`):
                         goes to storage, before and after;
   tsubame-source-warm   a cache at the source, none sent ahead
                         (--no-warm-cache): the destination starts cold;
-  tsubame-warm          the default: the cache's block list goes ahead and
-                        the destination fills its cache from storage;
-  qemu                  QEMU (10, as scripts/setup.sh installs it) on the same export (virtio-blk-pci,
-                        disable-modern=on, cache=none: QEMU keeps no cache
-                        of an NBD disk).
+  tsubame-list          the block list only (--warm-data none): the
+                        destination fills its cache from storage;
+  tsubame-warm          the default: the list, and the contents of the
+                        hottest blocks worth the guest's next 2 s of reads
+                        over the link (--warm-data auto);
+  tsubame-warm-all      the list and every cached block's contents
+                        (--warm-data all);
+  qemu                  QEMU (10, as scripts/setup.sh installs it) on the
+                        same export (virtio-blk-pci, disable-modern=on,
+                        cache=writeback: the counterpart of a host cache,
+                        which for an NBD disk keeps nothing: the host page
+                        cache fronts files, QEMU's NBD client has none).
 
 Per VM it reports the guest's read throughput in the 2 s before the
 switch-over (its last progress line at the source) and the 2 s after (its
@@ -65,7 +72,8 @@ def parse_args(argv):
     p.add_argument("--cache", default="512M", help="--block-cache of tsubame's warm configurations")
     p.add_argument("--guest-rate", type=int, default=0,
                    help="MB/s each guest reads at most (default: 160 for one VM, 160/VMs for more)")
-    p.add_argument("--storage-rate", default="100MB", help="the storage's bandwidth, shared")
+    p.add_argument("--storage-rate", action="append",
+                   help="the storage's bandwidth, shared (repeatable; default 100MB and 1GB)")
     p.add_argument("--storage-delay", default="1ms", help="latency of each storage read request")
     p.add_argument("--storage-burst", type=float, default=0.05,
                    help="seconds of transfer the storage may burst after idling (nbdkit rate filter's burstiness)")
@@ -104,6 +112,22 @@ def main(argv=None):
     results = []
     vm_counts = args.vms or [1, 6]
     base_rate = args.guest_rate
+    for storage_rate in args.storage_rate or ["100MB", "1GB"]:
+        args.storage_rate = storage_rate
+        run_counts(args, configs, vm_counts, base_rate, work, results)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(results)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    for path in plot(results, args.out):
+        print(f"plot: {path}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def run_counts(args, configs, vm_counts, base_rate, work, results):
+    """Every VM count and configuration on storage of args.storage_rate."""
     for n in vm_counts:
         args.guest_rate = base_rate or max(1, 160 // n)
         for config in configs:
@@ -112,10 +136,12 @@ def main(argv=None):
             try:
                 link.setup()
                 storage = Storage(args, work)
-                print(f"disk_warm: {n} VM(s), {config} ...", file=sys.stderr, flush=True)
+                print(f"disk_warm: {args.storage_rate}/s storage, {n} VM(s), {config} ...", file=sys.stderr,
+                      flush=True)
                 r = run_qemu(args, n, link, storage, work) if config == "qemu" else \
                     run_tsubame(args, config, n, link, storage, work)
                 r["guest_rate_mbs"] = args.guest_rate
+                r["storage_rate"] = args.storage_rate
                 results.append(r)
                 worst = min((v["ratio"] or 0) for v in r["per_vm"])  # a VM without figures counts as 0
                 print(f"disk_warm: {n} VM(s), {config}: after/before worst {worst:.2f}; "
@@ -128,15 +154,6 @@ def main(argv=None):
                 if storage:
                     storage.stop()
                 link.teardown()
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = table(results)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    for path in plot(results, args.out):
-        print(f"plot: {path}")
-    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

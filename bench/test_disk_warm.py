@@ -27,3 +27,13 @@ def test_rates_and_the_switch_over():
 def test_a_guest_without_disk_fields_is_an_error():
     with pytest.raises(HarnessError):
         disk.figures([(0, "tsb ops=1 pass=0")], [(1, "tsb ops=2 pass=0")])
+
+
+def test_the_table_leads_with_migration_time_and_the_reads_after():
+    from tsubame_bench.disk_report import table
+    vm = {"before_mbs": 26.0, "after_mbs": 25.0, "ratio": 0.96, "gap_ms": 40, "total_time_s": 2.5,
+          "warm_cache": {"blocks_sent": 12800}}
+    slow = dict(vm, total_time_s=3.0, ratio=0.9)
+    text = table([{"config": "tsubame-warm", "vms": 2, "storage_rate": "100MB", "per_vm": [vm, slow]}])
+    assert text.splitlines()[0].startswith("| storage | VMs | config | migration s")
+    assert "| 100MB | 2 | tsubame-warm | **3.00** | **0.90** | 26.0 | 25.0 | 50 | 40 |" in text

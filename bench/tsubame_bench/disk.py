@@ -14,7 +14,15 @@ from tsubame_bench.qmp import Qmp
 from tsubame_bench.units import parse_rate
 
 PORT = 47310
-CONFIGS = ["tsubame-cold", "tsubame-source-warm", "tsubame-warm", "qemu"]
+CONFIGS = ["tsubame-cold", "tsubame-source-warm", "tsubame-list", "tsubame-warm", "tsubame-warm-all", "qemu"]
+# What each tsubame configuration adds to `tsubame migrate`.
+MIGRATE_FLAGS = {
+    "tsubame-cold": [],
+    "tsubame-source-warm": ["--no-warm-cache"],
+    "tsubame-list": ["--warm-data", "none"],
+    "tsubame-warm": [],
+    "tsubame-warm-all": ["--warm-data", "all"],
+}
 WINDOW_S = 2.0
 BIN_S = 0.1
 
@@ -157,8 +165,7 @@ def run_tsubame(args, config, n, link, storage, work):
             stats_paths.append(stats)
             cmd = [args.tsubame, "migrate", "--control", f"{work}/src{i}.sock", "--to",
                    f"tcp:{link.dst_ip}:{PORT + i}", "--insecure", "--json", stats]
-            if config == "tsubame-source-warm":
-                cmd.append("--no-warm-cache")
+            cmd += MIGRATE_FLAGS[config]
             migrates.append(Proc(f"migrate{i}", link.netns_exec(link.src_ns) + cmd,
                                  f"{work}/{config}-{n}-migrate{i}.log"))
         for m in migrates:
@@ -196,7 +203,7 @@ def qemu_command(args, storage, tag, work, incoming):
                        + [f"tsc_khz={args.tsc_khz}"])
     cmd = [args.qemu, "-name", f"tsb-{tag},debug-threads=on", "-enable-kvm", "-cpu", "host,-arch-capabilities",
            "-m", args.memory, "-nodefaults", "-nographic", "-kernel", args.guest_elf, "-append", cmdline,
-           "-drive", f"file={storage.uri()},format=raw,if=none,id=d0,cache=none",
+           "-drive", f"file={storage.uri()},format=raw,if=none,id=d0,cache=writeback",
            "-device", "virtio-blk-pci,drive=d0,disable-modern=on",
            "-chardev", f"socket,id=d,path={work}/{tag}-con.sock,server=on,wait=off",
            "-device", "isa-debugcon,iobase=0xe9,chardev=d",
@@ -225,8 +232,10 @@ def run_qemu(args, n, link, storage, work):
             for q in (sq, dq):
                 q.execute("migrate-set-parameters", **{"max-bandwidth": 10**12})
             dq.execute("migrate-incoming", uri=f"tcp:{link.dst_ip}:{PORT + i}")
-        # QEMU keeps no cache of an NBD disk: nothing to fill; its guests
-        # only need to be reading for the window before.
+        # cache=writeback, the counterpart of tsubame's host cache, keeps
+        # nothing of an NBD disk (the host page cache fronts files; QEMU's
+        # NBD client has no cache): nothing to fill; its guests only need
+        # to be reading for the window before.
         wait_passes(lambda: [s.snapshot() for s, _ in logs], 0, "qemu", args.warmup_limit_s)
         time.sleep(WINDOW_S + 1)
         t_start = time.monotonic()

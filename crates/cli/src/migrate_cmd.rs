@@ -69,6 +69,14 @@ pub struct MigrateFlags {
     /// block cache starts cold (for comparison; warm is the default).
     #[arg(long)]
     pub no_warm_cache: bool,
+    /// Which cached blocks' contents go over the migration link with the
+    /// list: `auto` (the default: the hottest blocks worth the guest's
+    /// next 2 s of reads, at the rate it read during the migration; the
+    /// destination reads the rest from the storage itself), `all` (every
+    /// cached block: the guest's reads hold up best, the migration takes
+    /// longest) or `none` (the list only)
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    pub warm_data: String,
     /// Page codecs, comma-separated: zero, rle, xbzrle[=CACHE], dedup[=CACHE],
     /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
     /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
@@ -199,6 +207,7 @@ impl MigrateFlags {
             postcopy,
             postcopy_timeout: Duration::from_secs(self.postcopy_timeout),
             warm_cache: !self.no_warm_cache,
+            warm_data: self.warm_data.parse().map_err(usage_error)?,
             ..MigrateOptions::default()
         };
         options.check().map_err(usage_error)?;

@@ -57,6 +57,8 @@ pub struct MigrateRequest {
     pub postcopy_timeout_s: Option<u64>,
     /// Send the disk cache's block list ahead (default true).
     pub warm_cache: Option<bool>,
+    /// auto, all or none: which cached blocks' contents go too.
+    pub warm_data: Option<String>,
     /// A pre-shared key file (a path the VM's process can open).
     pub psk_file: Option<PathBuf>,
     /// This end's TLS certificate.
@@ -128,6 +130,7 @@ impl MigrateRequest {
             postcopy: Some(options.postcopy.to_string()),
             postcopy_timeout_s: Some(options.postcopy_timeout.as_secs()),
             warm_cache: Some(options.warm_cache),
+            warm_data: Some(options.warm_data.to_string()),
             psk_file: files.psk.clone(),
             tls_cert: files.tls_cert.clone(),
             tls_key: files.tls_key.clone(),
@@ -174,6 +177,9 @@ impl MigrateRequest {
         set(&mut options.warm_cache, self.warm_cache);
         if let Some(mode) = &self.postcopy {
             options.postcopy = mode.parse()?;
+        }
+        if let Some(mode) = &self.warm_data {
+            options.warm_data = mode.parse()?;
         }
         if let Some(seconds) = self.postcopy_timeout_s {
             if seconds == 0 {

@@ -69,6 +69,57 @@ pub struct MigrateOptions {
     /// Send the disk cache's block list ahead so the destination's cache
     /// is warm when the VM arrives (`--no-warm-cache` turns it off).
     pub warm_cache: bool,
+    /// Which cached blocks' contents go over the migration link besides
+    /// their names (`--warm-data`).
+    pub warm_data: WarmData,
+}
+
+/// `--warm-data`: which of the disk cache's blocks a warm migration sends
+/// the contents of, besides naming them all. The destination reads the
+/// named blocks from the shared storage itself meanwhile; contents sent
+/// over the link arrive whatever the storage's speed, but lengthen the
+/// migration by their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WarmData {
+    /// The hottest blocks worth [`WARM_DATA_WINDOW`] of the guest's reads
+    /// at the rate it read during the migration: what it reads first at
+    /// the destination, while the destination's own reads from storage
+    /// catch up (the default).
+    #[default]
+    Budget,
+    /// Every cached block.
+    All,
+    /// None: the destination reads every named block from storage.
+    Off,
+}
+
+/// How much of its reads the guest gets from the link under
+/// [`WarmData::Budget`]: the first seconds at the destination, the ones
+/// in which a cold cache shows. Each second more costs every VM on the
+/// link its bytes, and by then the destination's reads from storage have
+/// run for the whole migration.
+pub const WARM_DATA_WINDOW: Duration = Duration::from_secs(2);
+
+impl std::str::FromStr for WarmData {
+    type Err = String;
+    fn from_str(s: &str) -> Result<WarmData, String> {
+        match s {
+            "auto" => Ok(WarmData::Budget),
+            "all" => Ok(WarmData::All),
+            "none" => Ok(WarmData::Off),
+            _ => Err(format!("warm data '{s}': use auto, all or none")),
+        }
+    }
+}
+
+impl std::fmt::Display for WarmData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WarmData::Budget => "auto",
+            WarmData::All => "all",
+            WarmData::Off => "none",
+        })
+    }
 }
 
 /// `--postcopy`: whether to finish with post-copy instead of a long
@@ -222,6 +273,7 @@ impl Default for MigrateOptions {
             postcopy: PostcopyMode::Auto,
             postcopy_timeout: Duration::from_secs(60),
             warm_cache: true,
+            warm_data: WarmData::Budget,
         }
     }
 }

@@ -319,6 +319,14 @@ pub struct WarmCacheStats {
     /// Blocks whose contents went over the migration stream (WARM_DATA),
     /// so the destination did not wait for storage.
     pub blocks_sent: u64,
+    /// How many of the listed blocks' contents `--warm-data` allowed: the
+    /// guest's read rate (below) times the window, all, or none.
+    #[serde(default)]
+    pub blocks_budget: u64,
+    /// The guest's disk reads during the migration until the data went,
+    /// in bytes per second (what `--warm-data auto` budgets by).
+    #[serde(default)]
+    pub read_bytes_per_sec: f64,
 }
 
 /// Busy and waiting time of one stage, summed over its threads.

@@ -107,7 +107,7 @@ fn migrate_with(
         pacer: None,
         to: to.clone(),
         session: session_id(),
-        warm_unsent: Vec::new(),
+        warm_unsent: None,
         far,
         far_map: None,
         far_filter: None,
@@ -261,9 +261,9 @@ struct SourceRun<'a> {
     to: Address,
     /// Names this migration on its extra channels and on a resume.
     session: u64,
-    /// The disk cache's blocks named in WARM_BLOCKS whose contents are
-    /// still to go (WARM_DATA after the first iteration).
-    warm_unsent: Vec<u64>,
+    /// The disk cache's blocks named in WARM_BLOCKS whose contents may
+    /// still go (WARM_DATA after the first iteration).
+    warm_unsent: Option<warm::WarmUnsent>,
     /// The VM's far memory, if it has some.
     far: Option<&'a FarMemory>,
     /// Its map, taken when the migration started: pages that live far are

@@ -77,6 +77,10 @@ pub trait SourceVm: Sync {
     }
     /// Stops recording written blocks.
     fn disk_warm_stop(&self) {}
+    /// Bytes the guest read from its disk so far (0 without one).
+    fn disk_bytes_read(&self) -> u64 {
+        0
+    }
 }
 
 impl SourceVm for Vm {
@@ -136,5 +140,8 @@ impl SourceVm for Vm {
     }
     fn disk_warm_stop(&self) {
         Vm::disk_warm_stop(self)
+    }
+    fn disk_bytes_read(&self) -> u64 {
+        self.disk_stats().map_or(0, |stats| stats.bytes_read)
     }
 }
