@@ -183,9 +183,10 @@ pub fn back_dense_with_huge_pages(
 /// [`back_dense_with_huge_pages`] on a thread of its own, for memory
 /// received in 4 KiB pages whose guest runs now: a range at a time with
 /// 5 ms rests keeps the mmap lock mostly free, yet the guest ran at under
-/// half its pace while this went on (~4 s for 1 GiB under PVM): the rest
-/// is a first guess to tune. It stops when the memory's last other holder
-/// (the VM) lets go.
+/// half its pace while this went on (~4 s for 1 GiB under PVM). Longer
+/// rests, bursts, or all at once spread the same cost differently (a
+/// collapse is ~5 ms of CPU a range here). It stops when the memory's
+/// last other holder (the VM) lets go.
 pub fn back_dense_with_huge_pages_later(mem: std::sync::Arc<GuestMemory>) {
     const REST: std::time::Duration = std::time::Duration::from_millis(5);
     let _ = std::thread::Builder::new()
