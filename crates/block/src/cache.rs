@@ -100,7 +100,16 @@ pub struct BlockCache {
     written: Option<HashSet<u64>>,
     /// The block after the last storage read: a miss there is sequential.
     next_sequential: u64,
+    /// The block after the guest's last read, and how sequential its
+    /// reads have been lately (up one for a read that starts there, down
+    /// one for any other, 0 to [`SEQUENTIAL_MAX`]).
+    next_read: u64,
+    sequential_score: u8,
 }
+
+/// Ceiling of [`BlockCache`]'s sequential score; half of it or more
+/// makes a reader sequential.
+const SEQUENTIAL_MAX: u8 = 16;
 
 impl BlockCache {
     /// Caches up to `capacity_bytes` (rounded down to whole blocks; 0 for
@@ -115,6 +124,8 @@ impl BlockCache {
             scratch: Vec::new(),
             written: None,
             next_sequential: u64::MAX,
+            next_read: u64::MAX,
+            sequential_score: 0,
         }
     }
 
@@ -128,10 +139,19 @@ impl BlockCache {
         self.capacity_bytes
     }
 
-    /// Cached blocks (block index = byte offset / 4 KiB), most recently
-    /// used first: what a warm migration sends ahead.
-    pub fn hot_blocks(&self) -> impl Iterator<Item = u64> + '_ {
-        self.blocks.iter().flat_map(|b| b.iter().map(|(&block, _)| block))
+    /// Up to `max` cached blocks (block index = byte offset / 4 KiB) in
+    /// the order the guest is likely to read them next: what a warm
+    /// migration sends ahead. Most recently used first, except for a guest
+    /// that reads sequentially: going round a region, it comes back first
+    /// to the blocks it read longest ago.
+    pub fn hot_blocks(&self, max: usize) -> Vec<u64> {
+        let Some(blocks) = self.blocks.as_ref() else { return Vec::new() };
+        let keys = blocks.iter().map(|(&block, _)| block);
+        if self.sequential_score >= SEQUENTIAL_MAX / 2 {
+            keys.rev().take(max).collect()
+        } else {
+            keys.take(max).collect()
+        }
     }
 
     /// Starts (or stops) recording which blocks the guest writes.
@@ -233,6 +253,12 @@ impl Backend for BlockCache {
         }
         let bs = BLOCK_SIZE as u64;
         let (first, last) = (offset / bs, (offset + buf.len() as u64 - 1) / bs);
+        self.sequential_score = if first == self.next_read {
+            (self.sequential_score + 1).min(SEQUENTIAL_MAX)
+        } else {
+            self.sequential_score.saturating_sub(1)
+        };
+        self.next_read = last + 1;
         let mut block = first;
         while block <= last {
             if let Some(data) = blocks.get(&block) {
@@ -357,7 +383,7 @@ mod tests {
         // Block 0 was used before block 1: block 2 evicts block 0.
         cache.read_at(0, &mut buf).unwrap(); // hit, 0 is now most recent
         cache.read_at(8192, &mut buf).unwrap(); // evicts 1
-        assert_eq!(cache.hot_blocks().collect::<Vec<_>>(), vec![2, 0]);
+        assert_eq!(cache.hot_blocks(10), vec![2, 0]);
         let before = reads.load(Ordering::Relaxed);
         cache.read_at(0, &mut buf).unwrap();
         assert_eq!(reads.load(Ordering::Relaxed), before, "block 0 stayed cached");
@@ -417,6 +443,25 @@ mod tests {
     }
 
     #[test]
+    fn a_sequential_reader_s_oldest_blocks_lead_the_hot_list() {
+        let (inner, _) = disk(64);
+        let mut cache = BlockCache::new(inner, 64 * BLOCK_SIZE as u64);
+        let mut buf = vec![0; 4 * BLOCK_SIZE];
+        // Round a 32-block region, then half of it again: the reader comes
+        // back to blocks 16.. next, those it read longest ago.
+        for i in (0..8).chain(0..4) {
+            cache.read_at(i * 4 * 4096, &mut buf).unwrap();
+        }
+        let hot = cache.hot_blocks(8);
+        assert_eq!(hot, (16..24).collect::<Vec<_>>());
+        // A random reader's most recent blocks lead.
+        for b in [40u64, 3, 50, 9, 45, 1, 60, 20, 33] {
+            cache.read_at(b * 4096, &mut buf[..4096]).unwrap();
+        }
+        assert_eq!(cache.hot_blocks(3), vec![33, 20, 60]);
+    }
+
+    #[test]
     fn warmed_blocks_go_behind_the_hot_ones_and_never_evict() {
         let (inner, reads) = disk(16);
         let mut cache = BlockCache::new(inner, 4 * BLOCK_SIZE as u64);
@@ -426,7 +471,7 @@ mod tests {
             |b: usize| (b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE).map(|i| (i / 512) as u8 ^ (i as u8)).collect::<Vec<_>>();
         assert!(!cache.warm_with(5, &block(5)), "cached already");
         assert!(cache.warm_with(4, &block(4)) && cache.warm_with(6, &block(6)));
-        assert_eq!(cache.hot_blocks().collect::<Vec<_>>(), vec![5, 4, 6], "warmed blocks go behind");
+        assert_eq!(cache.hot_blocks(10), vec![5, 4, 6], "warmed blocks go behind");
         assert!(cache.warm_with(8, &block(8)));
         assert!(cache.is_full());
         assert!(!cache.warm_with(9, &block(9)), "full: nothing is evicted");

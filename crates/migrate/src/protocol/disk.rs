@@ -12,7 +12,7 @@ pub const MAX_BLOCKS_PER_FRAME: usize = 65_536;
 /// Longest storage name (a path or an NBD URI).
 pub const MAX_DISK_NAME: usize = 4096;
 
-/// WARM_BLOCKS: blocks of the source's cache, most recently used first.
+/// WARM_BLOCKS: blocks of the source's cache, those the guest likely reads next first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WarmBlocks {
     /// The storage, as `--disk` names it.

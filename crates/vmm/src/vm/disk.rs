@@ -52,7 +52,7 @@ impl Vm {
             disk: disk.spec().clone(),
             size_bytes: disk.size_bytes(),
             cache_bytes: disk.cache().capacity_bytes(),
-            blocks: disk.cache().hot_blocks().take(max_blocks).collect(),
+            blocks: disk.cache().hot_blocks(max_blocks),
         })
     }
 
