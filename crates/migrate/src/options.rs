@@ -81,10 +81,12 @@ pub struct MigrateOptions {
 /// migration by their bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WarmData {
-    /// The hottest blocks worth [`WARM_DATA_WINDOW`] of the guest's reads
-    /// at the rate it read during the migration: what it reads first at
-    /// the destination, while the destination's own reads from storage
-    /// catch up (the default).
+    /// Where storage serves the guest slower than it reads now (a cold
+    /// cache would slow it), the blocks it reads first at the destination:
+    /// [`WARM_DATA_WINDOW`] of reads at its rate, plus what it reads
+    /// while those cross the link; all of them where it reads faster than
+    /// its share of the link carries. None where storage keeps up (the
+    /// default).
     #[default]
     Budget,
     /// Every cached block.

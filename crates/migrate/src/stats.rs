@@ -319,14 +319,18 @@ pub struct WarmCacheStats {
     /// Blocks whose contents went over the migration stream (WARM_DATA),
     /// so the destination did not wait for storage.
     pub blocks_sent: u64,
-    /// How many of the listed blocks' contents `--warm-data` allowed: the
-    /// guest's read rate (below) times the window, all, or none.
+    /// How many of the listed blocks' contents `--warm-data` allowed.
     #[serde(default)]
     pub blocks_budget: u64,
-    /// The guest's disk reads during the migration until the data went,
-    /// in bytes per second (what `--warm-data auto` budgets by).
+    /// What `--warm-data auto` weighed, in bytes per second: the guest's
+    /// disk reads during the migration until the data went, what storage
+    /// served its reads at (0: it served none), and the link's rate.
     #[serde(default)]
     pub read_bytes_per_sec: f64,
+    #[serde(default)]
+    pub storage_bytes_per_sec: f64,
+    #[serde(default)]
+    pub link_bytes_per_sec: f64,
 }
 
 /// Busy and waiting time of one stage, summed over its threads.

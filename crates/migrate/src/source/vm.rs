@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use tsubame_vmm::memory::GuestMemory;
-use tsubame_vmm::{DirtyBitmap, DiskWarmList, VcpuStatus, Vm, VmError};
+use tsubame_vmm::{DirtyBitmap, DiskStats, DiskWarmList, VcpuStatus, Vm, VmError};
 
 /// A migratable memory with a dirty log.
 pub trait SourceVm: Sync {
@@ -77,9 +77,9 @@ pub trait SourceVm: Sync {
     }
     /// Stops recording written blocks.
     fn disk_warm_stop(&self) {}
-    /// Bytes the guest read from its disk so far (0 without one).
-    fn disk_bytes_read(&self) -> u64 {
-        0
+    /// The disk's statistics (`None` without a disk).
+    fn disk_stats(&self) -> Option<DiskStats> {
+        None
     }
 }
 
@@ -141,7 +141,7 @@ impl SourceVm for Vm {
     fn disk_warm_stop(&self) {
         Vm::disk_warm_stop(self)
     }
-    fn disk_bytes_read(&self) -> u64 {
-        self.disk_stats().map_or(0, |stats| stats.bytes_read)
+    fn disk_stats(&self) -> Option<DiskStats> {
+        Vm::disk_stats(self)
     }
 }
