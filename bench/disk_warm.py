@@ -26,10 +26,9 @@ Configurations (`--configs`):
                         (--no-warm-cache): the destination starts cold;
   tsubame-list          the block list only (--warm-data none): the
                         destination fills its cache from storage;
-  tsubame-warm          the default: the list, and where storage serves a
-                        guest slower than it reads, the contents of the
-                        blocks it reads in its first 2 s at the destination
-                        and while they cross the link (--warm-data auto);
+  tsubame-warm          the default: the list, and the contents of the
+                        blocks the guest likely reads next until they are
+                        2 s of its reads ahead of it (--warm-data auto);
   tsubame-warm-all      the list and every cached block's contents
                         (--warm-data all);
   qemu                  QEMU (10, as scripts/setup.sh installs it) on the

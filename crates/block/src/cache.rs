@@ -9,7 +9,6 @@ use std::collections::HashSet;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use lru::LruCache;
 use serde::{Deserialize, Serialize};
@@ -46,18 +45,6 @@ pub struct CacheStats {
     /// Warmed blocks dropped again because the guest wrote them at the
     /// source after they were read here.
     pub invalidated_blocks: u64,
-    /// Time the guest's reads spent waiting for storage, in µs (with
-    /// `bytes_from_storage`: the rate storage serves this disk at).
-    #[serde(default)]
-    pub storage_read_us: u64,
-}
-
-impl CacheStats {
-    /// Bytes per second storage served this disk's reads at, once it
-    /// served some.
-    pub fn storage_rate(&self) -> Option<f64> {
-        (self.storage_read_us > 0).then(|| self.bytes_from_storage as f64 / (self.storage_read_us as f64 / 1e6))
-    }
 }
 
 /// Counters readable from any thread while the cache works on another.
@@ -72,7 +59,6 @@ struct Counters {
     readahead_blocks: AtomicU64,
     warmed_blocks: AtomicU64,
     invalidated_blocks: AtomicU64,
-    storage_read_us: AtomicU64,
 }
 
 /// A handle on a cache's statistics for other threads.
@@ -98,7 +84,6 @@ impl CacheStatsHandle {
             readahead_blocks: load(&c.readahead_blocks),
             warmed_blocks: load(&c.warmed_blocks),
             invalidated_blocks: load(&c.invalidated_blocks),
-            storage_read_us: load(&c.storage_read_us),
         }
     }
 }
@@ -259,9 +244,7 @@ impl Backend for BlockCache {
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), BlockError> {
         check_range(offset, buf.len(), self.size())?;
         let Some(blocks) = self.blocks.as_mut() else {
-            let started = Instant::now();
             self.inner.read_at(offset, buf)?;
-            self.counters.storage_read_us.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
             self.counters.bytes_from_storage.fetch_add(buf.len() as u64, Ordering::Relaxed);
             return Ok(());
         };
@@ -302,9 +285,7 @@ impl Backend for BlockCache {
             self.next_sequential = read_end;
             let run = ((read_end - block) * bs) as usize;
             self.scratch.resize(run, 0);
-            let started = Instant::now();
             self.inner.read_at(block * bs, &mut self.scratch)?;
-            self.counters.storage_read_us.fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
             self.counters.misses.fetch_add(end - block, Ordering::Relaxed);
             self.counters.readahead_blocks.fetch_add(read_end - end, Ordering::Relaxed);
             self.counters.bytes_from_storage.fetch_add(run as u64, Ordering::Relaxed);

@@ -71,10 +71,9 @@ pub struct MigrateFlags {
     pub no_warm_cache: bool,
     /// Which cached blocks' contents go over the migration link with the
     /// list (the destination reads the rest from the storage itself):
-    /// `auto` (the default: none where storage serves the guest as fast as
-    /// it reads; else those it reads in its first 2 s at the destination
-    /// and while they cross the link, at the rate it read during the
-    /// migration; all where it reads faster than the link carries), `all`
+    /// `auto` (the default: those the guest likely reads next, until they
+    /// are 2 s of its reads, at its recent rate, ahead of where it reads:
+    /// all of them where it reads faster than the link carries), `all`
     /// (every cached block: the guest's reads hold up best, the migration
     /// takes longest) or `none` (the list only)
     #[arg(long, value_name = "MODE", default_value = "auto")]
@@ -453,14 +452,12 @@ pub fn print_summary(stats: &MigrationStats) {
     }
     if let Some(w) = &stats.warm_cache {
         println!(
-            "  warm cache:  {} blocks of the disk cache named ahead ({}), {} of them sent ({} allowed: the guest read {}/s, storage served {}/s, the link carried {}/s), {} written during the migration and dropped there",
+            "  warm cache:  {} blocks of the disk cache named ahead ({}), {} of them sent in {:.2} s (the guest read {}/s), {} written during the migration and dropped there",
             w.blocks_listed,
             format_bytes(w.blocks_listed * 4096),
             w.blocks_sent,
-            w.blocks_budget,
+            w.data_seconds,
             format_bytes(w.read_bytes_per_sec as u64),
-            format_bytes(w.storage_bytes_per_sec as u64),
-            format_bytes(w.link_bytes_per_sec as u64),
             w.blocks_written
         );
     }

@@ -104,25 +104,15 @@ fn a_warm_migration_fills_the_destination_cache() {
     assert!(from_storage < (16 << 20) + (4 << 20), "cold reads at the destination: {disk}");
     let (hits, misses) = (cache["hits"].as_u64().unwrap(), cache["misses"].as_u64().unwrap());
     assert!(hits > 200 && misses * 10 < hits, "{disk}");
-    // By default contents went as --warm-data auto weighed the rates: none
-    // where storage keeps up with the guest, else 2 s of its reads and
-    // those made while they cross the link (all, past the link's rate).
+    // By default contents went until they were 2 s of the guest's reads
+    // (at its recent rate) ahead of where it read when the list went.
     let warm = &stats["warm_cache"];
-    let rate = |key: &str| warm[key].as_f64().unwrap();
-    let (guest, storage, link) =
-        (rate("read_bytes_per_sec"), rate("storage_bytes_per_sec"), rate("link_bytes_per_sec"));
-    assert!(guest > 0.0 && storage > 0.0 && link > 0.0, "the rates were measured: {stats}");
-    let expected = if storage >= guest {
-        0
-    } else if guest >= link {
-        listed
-    } else {
-        ((guest * 2.0 / (1.0 - guest / link) / 4096.0).ceil() as u64).min(listed)
-    };
-    let budget = warm["blocks_budget"].as_u64().unwrap();
-    assert_eq!(budget, expected, "{stats}");
+    let rate = warm["read_bytes_per_sec"].as_f64().unwrap();
+    assert!(rate > 0.0, "the guest was reading: {stats}");
     let sent = warm["blocks_sent"].as_u64().unwrap();
-    assert!(sent <= budget && cache["warmed_blocks"].as_u64().unwrap() >= sent.min(4000), "{stats} {disk}");
+    let ahead = rate * (stats["total_time_ms"].as_f64().unwrap() / 1e3 + 2.0);
+    assert!(sent > 0 && (sent - sent.min(256)) as f64 * 4096.0 <= ahead, "{stats}");
+    assert!(cache["warmed_blocks"].as_u64().unwrap() >= sent.min(4000), "{stats} {disk}");
 }
 
 #[test]
@@ -132,8 +122,7 @@ fn warm_data_sends_all_contents_or_none() {
     }
     let (stats, _) = migrate_disk_seq("disk-warm-all", &["--warm-data", "all"]);
     let warm = &stats["warm_cache"];
-    assert_eq!(warm["blocks_budget"], warm["blocks_listed"], "{stats}");
-    assert!(warm["blocks_sent"].as_u64().unwrap() >= 4000, "the region's contents went: {stats}");
+    assert_eq!(warm["blocks_sent"], warm["blocks_listed"], "every cached block's contents went: {stats}");
     // The list only: the destination reads every block from storage.
     let (stats, disk) = migrate_disk_seq("disk-warm-list", &["--warm-data", "none"]);
     // (as far as it got before the VM arrived: this one moves in a blink).

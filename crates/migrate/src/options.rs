@@ -81,12 +81,11 @@ pub struct MigrateOptions {
 /// migration by their bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WarmData {
-    /// Where storage serves the guest slower than it reads now (a cold
-    /// cache would slow it), the blocks it reads first at the destination:
-    /// [`WARM_DATA_WINDOW`] of reads at its rate, plus what it reads
-    /// while those cross the link; all of them where it reads faster than
-    /// its share of the link carries. None where storage keeps up (the
-    /// default).
+    /// The blocks the guest reads first at the destination: contents go
+    /// while what went is less than what the guest reads, at its recent
+    /// rate, from the list's start to [`WARM_DATA_WINDOW`] past now; so
+    /// a guest that reads faster than the link carries gets them all, one
+    /// that reads nothing none (the default).
     #[default]
     Budget,
     /// Every cached block.
@@ -95,11 +94,10 @@ pub enum WarmData {
     Off,
 }
 
-/// How much of its reads the guest gets from the link under
-/// [`WarmData::Budget`]: the first seconds at the destination, the ones
-/// in which a cold cache shows. Each second more costs every VM on the
-/// link its bytes, and by then the destination's reads from storage have
-/// run for the whole migration.
+/// How far ahead of the guest's reads [`WarmData::Budget`] sends: its
+/// first seconds at the destination, in which a cold cache shows. Each
+/// second more costs every VM on the link its bytes, and by then the
+/// destination's reads from storage have run for the whole migration.
 pub const WARM_DATA_WINDOW: Duration = Duration::from_secs(2);
 
 impl std::str::FromStr for WarmData {

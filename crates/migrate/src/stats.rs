@@ -319,18 +319,13 @@ pub struct WarmCacheStats {
     /// Blocks whose contents went over the migration stream (WARM_DATA),
     /// so the destination did not wait for storage.
     pub blocks_sent: u64,
-    /// How many of the listed blocks' contents `--warm-data` allowed.
-    #[serde(default)]
-    pub blocks_budget: u64,
-    /// What `--warm-data auto` weighed, in bytes per second: the guest's
-    /// disk reads during the migration until the data went, what storage
-    /// served its reads at (0: it served none), and the link's rate.
+    /// The guest's recent disk reads when the contents began to go, in
+    /// bytes per second (what `--warm-data auto` paces them by).
     #[serde(default)]
     pub read_bytes_per_sec: f64,
+    /// Seconds the contents took to send.
     #[serde(default)]
-    pub storage_bytes_per_sec: f64,
-    #[serde(default)]
-    pub link_bytes_per_sec: f64,
+    pub data_seconds: f64,
 }
 
 /// Busy and waiting time of one stage, summed over its threads.

@@ -9,12 +9,12 @@
 //! source also sends cached contents themselves (WARM_DATA): they arrive
 //! before STATE whatever the storage's speed, but every byte of them
 //! lengthens the migration (six VMs of 256 MiB of cache each took 12.4 s
-//! instead of 0.2 s over 1 Gbit/s). So by default contents go only where
-//! storage serves the guest slower than it reads, and only those it reads
-//! first at the destination ([`WarmData::Budget`]); the destination's own
-//! reads from storage bring the rest.
+//! instead of 0.2 s over 1 Gbit/s). So by default contents go, those the
+//! guest likely reads next first, only until they are 2 s of its reads
+//! ahead of it ([`WarmData::Budget`]); the destination's own reads from
+//! storage bring the rest.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{SourceError, SourceRun};
 use crate::options::{WarmData, WARM_DATA_WINDOW};
@@ -25,41 +25,23 @@ use crate::stats::WarmCacheStats;
 /// Most blocks named (64 GiB of cache).
 const MAX_WARM_BLOCKS: usize = 16 << 20;
 
-/// The blocks named in WARM_BLOCKS, and when: the guest's read rate
-/// from then on budgets the contents sent.
+/// The blocks named in WARM_BLOCKS, and when.
 pub(super) struct WarmUnsent {
     blocks: Vec<u64>,
     listed_at: Instant,
-    bytes_read_then: u64,
 }
 
-/// The rates [`WarmData::Budget`] weighs, in bytes per second.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Rates {
-    /// The guest's disk reads since the list went.
-    pub guest: f64,
-    /// What storage served its reads at (`None` until it served some).
-    pub storage: Option<f64>,
-    /// What the migration link carries.
-    pub link: f64,
-}
-
-/// Blocks of `block_bytes` whose contents `mode` lets go, of `listed`.
-/// Under [`WarmData::Budget`], a guest storage keeps up with gets none;
-/// else the reads of its first [`WARM_DATA_WINDOW`] at the destination
-/// and those it makes while they cross the link: B = R·W + R·B/L, so
-/// B = R·W / (1 − R/L), and every block when R ≥ L.
-pub(super) fn data_budget(mode: WarmData, listed: usize, rates: Rates, block_bytes: usize) -> usize {
-    let Rates { guest, storage, link } = rates;
+/// Whether `mode` lets more contents go after `sent_bytes`, `since_list`
+/// after the list went, for a guest reading `read_bytes_per_sec`. Under
+/// [`WarmData::Budget`]: while they are less than what the guest reads
+/// from the list's start to [`WARM_DATA_WINDOW`] past now. Measured as
+/// they go, so the link's rate needs no estimate: a link faster than the
+/// guest's reads stops them that window ahead; a slower one never does.
+pub(super) fn more_data(mode: WarmData, sent_bytes: u64, since_list: Duration, read_bytes_per_sec: f64) -> bool {
     match mode {
-        WarmData::All => listed,
-        WarmData::Off => 0,
-        WarmData::Budget if guest <= 0.0 || storage.is_some_and(|s| s >= guest) => 0,
-        WarmData::Budget if guest >= link => listed,
-        WarmData::Budget => {
-            let bytes = guest * WARM_DATA_WINDOW.as_secs_f64() / (1.0 - guest / link);
-            ((bytes / block_bytes as f64).ceil() as usize).min(listed)
-        }
+        WarmData::All => true,
+        WarmData::Off => false,
+        WarmData::Budget => (sent_bytes as f64) < read_bytes_per_sec * (since_list + WARM_DATA_WINDOW).as_secs_f64(),
     }
 }
 
@@ -87,29 +69,24 @@ impl SourceRun<'_> {
         }
         self.stats.warm_cache =
             Some(WarmCacheStats { blocks_listed: list.blocks.len() as u64, ..WarmCacheStats::default() });
-        let bytes_read_then = self.vm.disk_stats().map_or(0, |stats| stats.bytes_read);
-        self.warm_unsent = Some(WarmUnsent { blocks: list.blocks, listed_at: Instant::now(), bytes_read_then });
+        self.warm_unsent = Some(WarmUnsent { blocks: list.blocks, listed_at: Instant::now() });
         Ok(())
     }
 
-    /// Sends the contents of the hottest listed blocks that
-    /// `--warm-data` allows and the source's cache still holds (WARM_DATA
-    /// frames on channel 0). A block the guest writes after it was read
-    /// here is named in a later DISK_WRITTEN, so the destination drops the
-    /// stale copy.
+    /// Sends the contents of the listed blocks, those the guest likely
+    /// reads next first, that `--warm-data` lets go and the source's cache
+    /// still holds (WARM_DATA frames on channel 0). A block the guest
+    /// writes after it was read here is named in a later DISK_WRITTEN, so
+    /// the destination drops the stale copy.
     pub(super) fn send_warm_data(&mut self) -> Result<(), SourceError> {
         let Some(unsent) = self.warm_unsent.take() else { return Ok(()) };
-        let seconds = unsent.listed_at.elapsed().as_secs_f64();
-        let disk = self.vm.disk_stats();
-        let read = disk.as_ref().map_or(0, |d| d.bytes_read).saturating_sub(unsent.bytes_read_then);
-        let rates = Rates {
-            guest: if seconds > 0.0 { read as f64 / seconds } else { 0.0 },
-            storage: disk.and_then(|d| d.cache.storage_rate()),
-            link: self.policy.bandwidth_for(self.options),
-        };
-        let budget = data_budget(self.options.warm_data, unsent.blocks.len(), rates, tsubame_block::BLOCK_SIZE);
-        let mut sent = 0;
-        for chunk in unsent.blocks[..budget].chunks(MAX_DATA_BLOCKS) {
+        let rate = self.vm.disk_stats().map_or(0.0, |d| d.recent_read_bytes_per_sec);
+        let started = Instant::now();
+        let (mut sent, mut sent_bytes) = (0, 0);
+        for chunk in unsent.blocks.chunks(MAX_DATA_BLOCKS) {
+            if !more_data(self.options.warm_data, sent_bytes, unsent.listed_at.elapsed(), rate) {
+                break;
+            }
             // One chunk at a time: the vCPU waits for the cache's lock
             // only as long as copying 1 MiB takes.
             let data = WarmDataFrame { blocks: self.vm.disk_cached_blocks(chunk) };
@@ -117,14 +94,13 @@ impl SourceRun<'_> {
                 continue;
             }
             sent += data.blocks.len() as u64;
+            sent_bytes += data.blocks.iter().map(|(_, bytes)| bytes.len() as u64).sum::<u64>();
             self.write_control(FrameKind::WarmData, &data.encode())?;
         }
         if let Some(warm) = self.stats.warm_cache.as_mut() {
             warm.blocks_sent += sent;
-            warm.blocks_budget = budget as u64;
-            warm.read_bytes_per_sec = rates.guest;
-            warm.storage_bytes_per_sec = rates.storage.unwrap_or(0.0);
-            warm.link_bytes_per_sec = rates.link;
+            warm.read_bytes_per_sec = rate;
+            warm.data_seconds = started.elapsed().as_secs_f64();
         }
         Ok(())
     }
@@ -153,21 +129,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_budget_is_the_window_of_reads_and_what_is_read_while_it_crosses() {
-        let rates = |guest, storage, link| Rates { guest, storage, link };
-        // 26 MB/s from 16 MB/s storage over 125 MB/s: 26e6·2 / (1 − 26/125)
-        // = 65.66 MB, 16,030 blocks (ceil).
-        assert_eq!(data_budget(WarmData::Budget, 65_536, rates(26e6, Some(16e6), 125e6), 4096), 16_030);
-        assert_eq!(data_budget(WarmData::Budget, 1000, rates(26e6, None, 125e6), 4096), 1000, "never more than listed");
-        assert_eq!(data_budget(WarmData::Budget, 65_536, rates(26e6, Some(30e6), 125e6), 4096), 0, "storage keeps up");
-        assert_eq!(
-            data_budget(WarmData::Budget, 65_536, rates(26e6, Some(16e6), 21e6), 4096),
-            65_536,
-            "faster than the link"
-        );
-        assert_eq!(data_budget(WarmData::Budget, 1000, rates(0.0, None, 1e9), 4096), 0, "a guest that reads nothing");
-        assert_eq!(data_budget(WarmData::All, 1000, rates(0.0, Some(1e9), 1e9), 4096), 1000);
-        assert_eq!(data_budget(WarmData::Off, 1000, rates(1e9, Some(1.0), 1e12), 4096), 0);
+    fn contents_go_until_they_are_a_window_ahead_of_the_guest_s_reads() {
+        let secs = Duration::from_secs_f64;
+        // 26 MB/s, listed 0.5 s ago: up to 26e6 * 2.5 = 65 MB.
+        assert!(more_data(WarmData::Budget, 64_000_000, secs(0.5), 26e6));
+        assert!(!more_data(WarmData::Budget, 65_000_000, secs(0.5), 26e6));
+        // A link slower than the reads never gets ahead: 20 MB/s sent.
+        assert!((0..100).all(|t| more_data(WarmData::Budget, t * 20_000_000, secs(t as f64), 26e6)));
+        assert!(!more_data(WarmData::Budget, 0, secs(3.0), 0.0), "a guest that reads nothing gets none");
+        assert!(more_data(WarmData::All, u64::MAX, secs(0.0), 0.0));
+        assert!(!more_data(WarmData::Off, 0, secs(0.0), 1e9));
     }
 
     #[test]

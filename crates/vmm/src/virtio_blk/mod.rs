@@ -127,6 +127,9 @@ pub struct DiskStats {
     pub bytes_written: u64,
     /// Requests answered with an error status, or dropped as unanswerable.
     pub errors: u64,
+    /// Bytes per second the guest read lately (the last second or so
+    /// weighs most).
+    pub recent_read_bytes_per_sec: f64,
     /// The host block cache.
     pub cache: CacheStats,
 }
@@ -139,6 +142,30 @@ struct Counters {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     errors: AtomicU64,
+    recent_reads: std::sync::Mutex<DecayingRate>,
+}
+
+/// A rate that forgets: bytes counted now weigh e^(-age / [`RATE_MEMORY`])
+/// later, so the rate follows what the guest does lately whatever its past.
+#[derive(Debug, Default)]
+struct DecayingRate {
+    at: Option<std::time::Instant>,
+    bytes_per_sec: f64,
+}
+
+/// How long [`DecayingRate`] remembers (its time constant).
+const RATE_MEMORY: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl DecayingRate {
+    fn decayed(&self, now: std::time::Instant) -> f64 {
+        let age = self.at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
+        self.bytes_per_sec * (-age / RATE_MEMORY.as_secs_f64()).exp()
+    }
+
+    fn add(&mut self, bytes: u64, now: std::time::Instant) {
+        self.bytes_per_sec = self.decayed(now) + bytes as f64 / RATE_MEMORY.as_secs_f64();
+        self.at = Some(now);
+    }
 }
 
 /// Reads a disk's statistics from any thread.
@@ -164,6 +191,7 @@ impl DiskStatsHandle {
             bytes_read: load(&c.bytes_read),
             bytes_written: load(&c.bytes_written),
             errors: load(&c.errors),
+            recent_read_bytes_per_sec: c.recent_reads.lock().unwrap().decayed(std::time::Instant::now()),
             cache: self.cache.get(),
         }
     }
@@ -351,6 +379,7 @@ impl VirtioBlk {
             Some(request::Done::Read(n)) => {
                 c.reads.fetch_add(1, Ordering::Relaxed);
                 c.bytes_read.fetch_add(n, Ordering::Relaxed);
+                c.recent_reads.lock().unwrap().add(n, std::time::Instant::now());
             }
             Some(request::Done::Write(n)) => {
                 c.writes.fetch_add(1, Ordering::Relaxed);
