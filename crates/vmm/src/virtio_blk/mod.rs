@@ -23,7 +23,8 @@
 mod request;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tsubame_block::cache::CacheStatsHandle;
@@ -142,27 +143,27 @@ struct Counters {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     errors: AtomicU64,
-    recent_reads: std::sync::Mutex<DecayingRate>,
+    recent_reads: Mutex<DecayingRate>,
 }
 
 /// A rate that forgets: bytes counted now weigh e^(-age / [`RATE_MEMORY`])
 /// later, so the rate follows what the guest does lately whatever its past.
 #[derive(Debug, Default)]
 struct DecayingRate {
-    at: Option<std::time::Instant>,
+    at: Option<Instant>,
     bytes_per_sec: f64,
 }
 
 /// How long [`DecayingRate`] remembers (its time constant).
-const RATE_MEMORY: std::time::Duration = std::time::Duration::from_secs(1);
+const RATE_MEMORY: Duration = Duration::from_secs(1);
 
 impl DecayingRate {
-    fn decayed(&self, now: std::time::Instant) -> f64 {
+    fn decayed(&self, now: Instant) -> f64 {
         let age = self.at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
         self.bytes_per_sec * (-age / RATE_MEMORY.as_secs_f64()).exp()
     }
 
-    fn add(&mut self, bytes: u64, now: std::time::Instant) {
+    fn add(&mut self, bytes: u64, now: Instant) {
         self.bytes_per_sec = self.decayed(now) + bytes as f64 / RATE_MEMORY.as_secs_f64();
         self.at = Some(now);
     }
@@ -191,7 +192,7 @@ impl DiskStatsHandle {
             bytes_read: load(&c.bytes_read),
             bytes_written: load(&c.bytes_written),
             errors: load(&c.errors),
-            recent_read_bytes_per_sec: c.recent_reads.lock().unwrap().decayed(std::time::Instant::now()),
+            recent_read_bytes_per_sec: c.recent_reads.lock().unwrap().decayed(Instant::now()),
             cache: self.cache.get(),
         }
     }
@@ -379,7 +380,7 @@ impl VirtioBlk {
             Some(request::Done::Read(n)) => {
                 c.reads.fetch_add(1, Ordering::Relaxed);
                 c.bytes_read.fetch_add(n, Ordering::Relaxed);
-                c.recent_reads.lock().unwrap().add(n, std::time::Instant::now());
+                c.recent_reads.lock().unwrap().add(n, Instant::now());
             }
             Some(request::Done::Write(n)) => {
                 c.writes.fetch_add(1, Ordering::Relaxed);

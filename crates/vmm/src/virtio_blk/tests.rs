@@ -312,7 +312,7 @@ fn state_carries_the_queue_to_a_new_device() {
 
 #[test]
 fn the_recent_read_rate_forgets_with_time() {
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let mut rate = DecayingRate::default();
     assert_eq!(rate.decayed(t0), 0.0);
     rate.add(1_000_000, t0);
@@ -322,8 +322,8 @@ fn the_recent_read_rate_forgets_with_time() {
     // A steady reader converges on its rate: 100 reads of 10 kB per 10 ms.
     let mut steady = DecayingRate::default();
     for i in 0..1000u32 {
-        steady.add(10_000, t0 + std::time::Duration::from_millis(10) * i);
+        steady.add(10_000, t0 + Duration::from_millis(10) * i);
     }
-    let at = t0 + std::time::Duration::from_millis(9990);
+    let at = t0 + Duration::from_millis(9990);
     assert!((steady.decayed(at) - 1e6).abs() < 0.01e6, "{}", steady.decayed(at));
 }
