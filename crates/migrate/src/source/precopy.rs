@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use super::busy::Stopwatch;
+use super::busy::{PipelineWork, Stopwatch};
 use super::choices::postcopy_choice;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
@@ -118,7 +118,7 @@ impl SourceRun<'_> {
                 p.bandwidth = bw;
                 p.pipeline = summary;
             });
-            self.bandwidth.store(bw.to_bits(), Ordering::Relaxed);
+            self.bandwidth.store(self.policy.codec_link_rate(self.options).to_bits(), Ordering::Relaxed);
             self.stats.per_iteration.push(it.clone());
             iteration += 1;
             if iteration == 1 {
@@ -397,9 +397,9 @@ impl SourceRun<'_> {
             if let Some(watch) = &mut watch {
                 watch.sent(first_page, chunk.len() as u64 * 64);
             }
-            let engine = self.engine();
             remaining = remaining.saturating_sub(chunk.iter().map(|w| w.count_ones() as u64).sum::<u64>());
-            let wire_bytes = engine.bytes();
+            self.look_at_link(started, bytes_before, &work_before);
+            let wire_bytes = self.engine().bytes();
             self.progress.update(|p| {
                 p.remaining_pages = remaining;
                 p.dirty_pages = dirty_pages;
@@ -438,6 +438,21 @@ impl SourceRun<'_> {
         self.stats.bytes_on_wire = self.engine().bytes();
         self.stats.iterations = iteration + 1;
         Ok(Sent { it, unsent, zeros: fetcher.zeros, digest, realtime })
+    }
+}
+
+impl SourceRun<'_> {
+    /// While no iteration has measured the link, a look at it from the one
+    /// in progress once it has gone [`LINK_MEASURED`], for the codecs.
+    fn look_at_link(&mut self, started: Instant, bytes_before: u64, work_before: &PipelineWork) {
+        let elapsed = started.elapsed();
+        if elapsed < LINK_MEASURED || self.policy.codec_link_rate(self.options) > 0.0 {
+            return;
+        }
+        let send = self.engine().work().send.wall - work_before.send.wall;
+        let bytes = self.engine().bytes() - bytes_before;
+        self.policy.first_look(bytes, ms(elapsed), ms(send));
+        self.bandwidth.store(self.policy.codec_link_rate(self.options).to_bits(), Ordering::Relaxed);
     }
 }
 

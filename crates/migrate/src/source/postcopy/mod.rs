@@ -150,7 +150,7 @@ impl SourceRun<'_> {
         // the link's rate (pages a guest wrote a few words of shrink a
         // lot, random bytes not at all).
         let cap = self.options.max_bandwidth.map(|cap| cap as f64);
-        let bandwidth = cap.unwrap_or(self.policy.bandwidth_for(self.options));
+        let bandwidth = cap.unwrap_or(self.policy.codec_link_rate(self.options));
         let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
         let packing = Packing { codec, bandwidth: if bandwidth.is_finite() { bandwidth } else { f64::INFINITY } };
         let counters = Counters::default();
