@@ -280,7 +280,9 @@ mod zero_scan {
 
     /// [`super::page_is_zero`] 32 bytes per load: the scan of an idle
     /// guest's memory is bound by the loads (8-byte loads took 0.62 s for 4
-    /// GiB here, 32-byte ones 0.38-0.45).
+    /// GiB here, 32-byte ones 0.38-0.45). Not the codec's `is_zero`, which
+    /// takes a reference: memory the guest writes meanwhile is read here
+    /// only through volatile loads.
     ///
     /// # Safety
     /// The CPU has AVX2, and `page` points at `PAGE_SIZE` readable bytes,

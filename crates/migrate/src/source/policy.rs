@@ -357,9 +357,14 @@ impl PrecopyPolicy {
     /// while no iteration has measured it: the codecs judge from then on,
     /// not only after the first iteration (a 2 GiB guest's at 10 Gbit/s).
     pub fn first_look(&mut self, bytes: u64, elapsed_ms: f64, send_ms: f64) {
-        if self.capacity == 0.0 && bytes >= RATE_SAMPLE {
+        if self.capacity == 0.0 && Self::enough_for_a_look(bytes) {
             self.capacity = capacity(bytes, elapsed_ms, send_ms);
         }
+    }
+
+    /// Whether `bytes` out are enough for [`Self::first_look`] to measure by.
+    pub fn enough_for_a_look(bytes: u64) -> bool {
+        bytes >= RATE_SAMPLE
     }
 }
 

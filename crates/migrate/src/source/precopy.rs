@@ -10,7 +10,7 @@ use super::busy::{PipelineWork, Stopwatch};
 use super::choices::postcopy_choice;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
-use super::policy::{Decision, Handover};
+use super::policy::{Decision, Handover, PrecopyPolicy};
 use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
 use crate::digest;
@@ -439,18 +439,22 @@ impl SourceRun<'_> {
         self.stats.iterations = iteration + 1;
         Ok(Sent { it, unsent, zeros: fetcher.zeros, digest, realtime })
     }
-}
 
-impl SourceRun<'_> {
     /// While no iteration has measured the link, a look at it from the one
-    /// in progress once it has gone [`LINK_MEASURED`], for the codecs.
+    /// in progress once it has gone [`LINK_MEASURED`] and sent enough to
+    /// tell ([`PrecopyPolicy::first_look`]), for the codecs. Called per
+    /// chunk: the senders' busy time is read only once there is a look to
+    /// take (an idle 4 GiB guest's first iteration sends under a MiB).
     fn look_at_link(&mut self, started: Instant, bytes_before: u64, work_before: &PipelineWork) {
         let elapsed = started.elapsed();
         if elapsed < LINK_MEASURED || self.policy.codec_link_rate(self.options) > 0.0 {
             return;
         }
-        let send = self.engine().work().send.wall - work_before.send.wall;
         let bytes = self.engine().bytes() - bytes_before;
+        if !PrecopyPolicy::enough_for_a_look(bytes) {
+            return;
+        }
+        let send = self.engine().work().send.wall - work_before.send.wall;
         self.policy.first_look(bytes, ms(elapsed), ms(send));
         self.bandwidth.store(self.policy.codec_link_rate(self.options).to_bits(), Ordering::Relaxed);
     }
