@@ -42,7 +42,7 @@ use self::policy::PrecopyPolicy;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
 use crate::digest::{self, FarPageHashes};
-use crate::options::{MigrateOptions, PostcopyMode, ProgressCell};
+use crate::options::{Granularity, MigrateOptions, PostcopyMode, ProgressCell};
 use crate::protocol::far::{FarMemory as FarMemoryFrame, FarPages};
 use crate::protocol::{
     self, ChannelOpen, ErrorMessage, FrameKind, Hello, ShardLayout, SourceState, WireError, HELLO_FAR_MEMORY,
@@ -81,6 +81,7 @@ fn migrate_with(
     let start = Instant::now();
     let cpu_process = process_cpu_seconds();
     let cpu_thread = thread_cpu_seconds();
+    let granularity = options.start_granularity();
     let mut run = SourceRun {
         vm,
         options,
@@ -89,7 +90,7 @@ fn migrate_with(
             destination: to.to_string(),
             memory_bytes: vm.memory_bytes(),
             pages_total: memory::page_count(vm.memory()),
-            choices: choices::initial_choices(options),
+            choices: choices::initial_choices(options, granularity),
             downtime_limit_ms: ms(options.downtime_limit),
             ..Default::default()
         },
@@ -118,7 +119,7 @@ fn migrate_with(
         p.phase = SourceState::Setup;
         p.memory_bytes = vm.memory_bytes();
     });
-    let result = run.run(to);
+    let result = run.run(to, granularity);
     // Before a failure's take_back: eviction would make pages far again.
     if let (Some(far), Some(filter), Some(start)) = (far, &run.far_filter, &run.far_start) {
         run.stats.far_memory = Some(far_stats(far, filter, start));
@@ -294,7 +295,7 @@ impl SourceRun<'_> {
         )
     }
 
-    fn run(&mut self, to: &Address) -> Result<(), SourceError> {
+    fn run(&mut self, to: &Address, granularity: Granularity) -> Result<(), SourceError> {
         let vm = self.vm;
         let options = self.options;
         options.check().map_err(SourceError::BadOptions)?;
@@ -322,13 +323,12 @@ impl SourceRun<'_> {
             ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
         let pacer = Pacer::new(options.max_bandwidth);
         self.pacer = Some(pacer.clone());
-        let writers = self.connect(to, layout, &pacer)?;
+        let writers = self.connect(to, layout, &pacer, granularity)?;
         self.stats.setup_time_ms = ms(self.start.elapsed());
 
         let encoder_setup = EncoderSetup {
             codecs: &options.codecs,
-            granularity: options.start_granularity(),
-            granularity_auto: options.granularity_auto,
+            granularity,
             detector: options.subpage_detector,
             hash_mask: options.subpage_hash_mask,
             pages_total: self.stats.pages_total,
@@ -349,7 +349,13 @@ impl SourceRun<'_> {
 
     /// Connects every channel: the handshake, HELLO and ACCEPT on channel 0,
     /// then the others, which name the session.
-    fn connect(&mut self, to: &Address, layout: ShardLayout, pacer: &Arc<Pacer>) -> Result<Vec<Writer>, SourceError> {
+    fn connect(
+        &mut self,
+        to: &Address,
+        layout: ShardLayout,
+        pacer: &Arc<Pacer>,
+        granularity: Granularity,
+    ) -> Result<Vec<Writer>, SourceError> {
         let options = self.options;
         let stream = Stream::connect_with(to, options.connect_timeout, &options.security)?;
         stream.set_read_timeout(Some(options.io_timeout))?;
@@ -365,7 +371,7 @@ impl SourceRun<'_> {
             page_size: PAGE_SIZE as u32,
             vcpus: 1,
             digest_region: options.digest_region,
-            granularity: options.start_granularity(),
+            granularity: granularity.bytes,
             codecs: options.codecs.to_string(),
             session,
             channels: layout.channels,
