@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod handover;
+pub mod link;
 pub mod policy;
 mod postcopy;
 mod precopy;
@@ -38,6 +39,7 @@ pub use vm::SourceVm;
 use self::encode::EncoderSetup;
 use self::engine::{Engine, EngineSetup};
 use self::fetch::FarFilter;
+use self::link::LinkRate;
 use self::policy::PrecopyPolicy;
 use self::send::{tcp_fd, write_frame_flushed, Writer};
 use self::zerocopy::GuestPages;
@@ -321,7 +323,7 @@ impl SourceRun<'_> {
         }
         let layout =
             ShardLayout { batch_pages: options.batch_pages, shards: options.shards(), channels: options.channels };
-        let pacer = Pacer::new(options.max_bandwidth);
+        let pacer = Pacer::new(LinkRate::of(options).pacer_rate());
         self.pacer = Some(pacer.clone());
         let writers = self.connect(to, layout, &pacer, granularity)?;
         self.stats.setup_time_ms = ms(self.start.elapsed());

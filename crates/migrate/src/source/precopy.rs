@@ -10,6 +10,7 @@ use super::busy::Stopwatch;
 use super::choices::postcopy_choice;
 use super::fetch::{Batch, Fetcher};
 use super::handover::{strided, HandoverWatch};
+use super::link::LinkRate;
 use super::policy::{Decision, Handover};
 use super::send::{DRAINED, DRAIN_LIMIT};
 use super::{ms, PrecopyEnd, SourceError, SourceRun};
@@ -297,8 +298,8 @@ impl SourceRun<'_> {
         let spread = paused && dirty_pages >= SPREAD_STOP_PAGES;
         let batch_pages = if spread {
             STOP_BATCH_PAGES.min(layout.batch_pages)
-        } else if let (Some(_), Some(cap)) = (&watch, self.options.max_bandwidth) {
-            let pages = (cap as f64 * WATCHED_BATCH_TIME.as_secs_f64()) as u64 / tsubame_vmm::PAGE_SIZE as u64;
+        } else if let (Some(_), Some(cap)) = (&watch, LinkRate::of(self.options).known()) {
+            let pages = (cap * WATCHED_BATCH_TIME.as_secs_f64()) as u64 / tsubame_vmm::PAGE_SIZE as u64;
             (pages / 64 * 64).clamp(64, layout.batch_pages)
         } else {
             layout.batch_pages
@@ -346,7 +347,7 @@ impl SourceRun<'_> {
                     let elapsed = started.elapsed();
                     let written = (self.engine().bytes() - bytes_before) as f64 / elapsed.as_secs_f64();
                     let measured = if elapsed < LINK_MEASURED { 0.0 } else { written };
-                    let link = self.options.max_bandwidth.map_or(measured, |cap| cap as f64);
+                    let link = LinkRate::of(self.options).known_or(measured);
                     let is_zero = |page| memory::page_is_zero(vm.memory(), page);
                     if watch.handover(
                         link,

@@ -20,6 +20,7 @@ use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
 use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, Packing, PageFrames, HASHES_HANDED};
+use super::link::LinkRate;
 use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
 use super::{ms, SourceError, SourceRun};
 use crate::digest::DigestFeed;
@@ -149,8 +150,8 @@ impl SourceRun<'_> {
         // Asked-for pages and the push are compressed while that pays at
         // the link's rate (pages a guest wrote a few words of shrink a
         // lot, random bytes not at all).
-        let cap = self.options.max_bandwidth.map(|cap| cap as f64);
-        let bandwidth = cap.unwrap_or(self.policy.bandwidth_for(self.options));
+        let rate = LinkRate::of(self.options);
+        let bandwidth = rate.known_or(self.policy.bandwidth_for(self.options));
         let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
         let packing = Packing { codec, bandwidth: if bandwidth.is_finite() { bandwidth } else { f64::INFINITY } };
         let counters = Counters::default();
@@ -206,7 +207,7 @@ impl SourceRun<'_> {
         // a shaped link counts, it took 0.4 % longer than at the cap: the
         // window keeps the queue short either way.)
         if let Some(pacer) = &self.pacer {
-            pacer.set_rate(cap.map(|rate| rate as u64));
+            pacer.set_rate(rate.pacer_rate());
             pacer.set_burst(PUSH_BURST);
         }
         let window = PushWindow { bandwidth: (bandwidth > 1.0 && bandwidth.is_finite()).then_some(bandwidth) };
