@@ -1,13 +1,14 @@
 //! The sending side: connect, pre-copy iterations while the guest runs,
 //! then stop-and-copy, verify, commit (or hand over to post-copy). The
-//! phases are values ([`precopy::Precopy`], [`stop::Stop`],
-//! [`postcopy::Postcopy`]) that take the migration's shared state
-//! ([`migration::Migration`]) and its link ([`link::Link`]) and return
-//! what comes next; [`run`] strings them together in the order of the
-//! sequence diagram in `protocol/mod.rs`. docs/architecture.md follows a
-//! page through these files: [`precopy`] decides what to send,
-//! [`iteration`] sends it, [`fetch`] reads it, [`encode`] and [`send`]
-//! (run by [`engine`]) put it on the wire, [`stop`] ends the migration.
+//! phases are values (`precopy::Precopy`, `stop::Stop`,
+//! `postcopy::Postcopy`) that take the migration's shared state
+//! (`migration::Migration`) and its link (`link::Link`) and return what
+//! comes next; `run` strings them together in the order of the sequence
+//! diagram in `protocol/mod.rs`. docs/architecture.md follows a page
+//! through these files: `precopy` decides what to send, `iteration`
+//! walks the dirty set, [`fetch`] reads each page, [`encode`] and
+//! [`send`] (run by [`engine`]) put it on the wire, `stop` ends the
+//! migration.
 //!
 //! The VM is never lost: any failure before COMMIT is written resumes the
 //! source VM; once COMMIT is written the source never resumes on its own.
