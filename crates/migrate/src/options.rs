@@ -193,15 +193,30 @@ pub fn parse_granularity(text: &str) -> Result<(u32, bool), String> {
 /// size) saved the most on every workload measured that re-sends pages.
 pub const AUTO_GRANULARITY: u32 = 128;
 
+/// The sub-page granularity a migration starts with, and whether
+/// `--granularity auto` may drop sub-pages for whole pages later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Granularity {
+    /// Bytes per sub-page (4096: whole pages).
+    pub bytes: u32,
+    /// Whether whole pages may replace sub-pages once they stop paying.
+    pub auto: bool,
+}
+
+impl Granularity {
+    /// Whether it sends whole pages.
+    pub fn whole_pages(&self) -> bool {
+        self.bytes == PAGE_BYTES
+    }
+}
+
 impl MigrateOptions {
     /// The granularity the engine starts with: `auto` sends whole pages
     /// where the send path needs them (zero-copy, the GPU's codecs).
-    pub fn start_granularity(&self) -> u32 {
-        if self.granularity_auto && (self.zero_copy || self.gpu.is_some()) {
-            PAGE_BYTES
-        } else {
-            self.granularity
-        }
+    pub fn start_granularity(&self) -> Granularity {
+        let bytes =
+            if self.granularity_auto && (self.zero_copy || self.gpu.is_some()) { PAGE_BYTES } else { self.granularity };
+        Granularity { bytes, auto: self.granularity_auto }
     }
 
     /// Combinations the engine refuses, as a message.
@@ -220,10 +235,10 @@ impl MigrateOptions {
                 self.encode_threads
             ));
         }
-        if self.zero_copy && !(self.codecs.is_plain() && self.start_granularity() == PAGE_BYTES) {
+        if self.zero_copy && !(self.codecs.is_plain() && self.start_granularity().whole_pages()) {
             return Err("--zero-copy sends raw pages: use it with --codec none or zero and --granularity 4096".into());
         }
-        if self.gpu.is_some() && (self.start_granularity() != PAGE_BYTES || self.zero_copy) {
+        if self.gpu.is_some() && (!self.start_granularity().whole_pages() || self.zero_copy) {
             return Err("--gpu encodes whole pages: use it with --granularity 4096 and without --zero-copy".into());
         }
         if !(1..=64).contains(&self.buffers) {

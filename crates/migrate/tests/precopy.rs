@@ -426,7 +426,7 @@ fn zero_copy_refuses_what_it_cannot_do() {
     assert!(options.check().is_err());
     // `--granularity auto` sends whole pages with zero-copy instead.
     let options = MigrateOptions { zero_copy: true, ..Default::default() };
-    assert_eq!((options.check(), options.start_granularity()), (Ok(()), 4096));
+    assert_eq!((options.check(), options.start_granularity().bytes), (Ok(()), 4096));
 }
 
 /// Forwards every connection to `to`; bytes from the source on every

@@ -2,23 +2,21 @@
 //! `choices`: each flag as asked for or the default's, then what the
 //! migration settled (sub-pages kept or dropped, post-copy or not).
 
-use tsubame_vmm::PAGE_SIZE;
-
-use crate::options::MigrateOptions;
+use crate::options::{Granularity, MigrateOptions};
 use crate::stats::Choice;
 use crate::subpage::SubpageStats;
 
 use super::encode::SUBPAGES_PAY;
 
 /// The choices a migration starts with: each flag as asked for, or the
-/// default where it says the same. Post-copy's is settled later
-/// ([`postcopy_choice`]).
-pub fn initial_choices(options: &MigrateOptions) -> Vec<Choice> {
+/// default where it says the same; `granularity`, the one it starts with.
+/// Post-copy's is settled later ([`postcopy_choice`]).
+pub fn initial_choices(options: &MigrateOptions, granularity: Granularity) -> Vec<Choice> {
     let defaults = MigrateOptions::default();
     let why = |same: bool, default: &str| if same { default.to_string() } else { "asked for".to_string() };
     let choice = |what: &str, chose: String, why: String| Choice { what: what.into(), chose, why };
-    let start = options.start_granularity();
-    let granularity = match (options.granularity_auto, start == PAGE_SIZE as u32) {
+    let start = granularity.bytes;
+    let granularity_line = match (granularity.auto, granularity.whole_pages()) {
         (false, _) => choice("granularity", format!("{start} bytes"), "asked for".into()),
         (true, true) => choice(
             "granularity",
@@ -32,11 +30,11 @@ pub fn initial_choices(options: &MigrateOptions) -> Vec<Choice> {
         ),
     };
     let mut codecs_why = why(options.codecs == defaults.codecs, "the default: zero pages as a flag");
-    if options.codecs.xbzrle.is_some() && start < PAGE_SIZE as u32 {
+    if options.codecs.xbzrle.is_some() && !granularity.whole_pages() {
         codecs_why.push_str("; XBZRLE codes the pages whose every sub-page changed");
     }
     vec![
-        granularity,
+        granularity_line,
         choice("codecs", options.codecs.to_string(), codecs_why),
         choice(
             "auto-converge",
@@ -90,7 +88,8 @@ mod tests {
 
     #[test]
     fn choices_say_whether_a_flag_or_the_default_chose() {
-        let mut choices = initial_choices(&MigrateOptions::default());
+        let defaults = MigrateOptions::default();
+        let mut choices = initial_choices(&defaults, defaults.start_granularity());
         let what: Vec<&str> = choices.iter().map(|c| c.what.as_str()).collect();
         assert_eq!(what, ["granularity", "codecs", "auto-converge", "post-copy"]);
         assert!(choices[0].why.starts_with("auto: sub-pages"), "{choices:?}");
@@ -102,7 +101,7 @@ mod tests {
             postcopy: PostcopyMode::Off,
             ..MigrateOptions::default()
         };
-        let asked = initial_choices(&asked);
+        let asked = initial_choices(&asked, asked.start_granularity());
         assert_eq!((asked[0].chose.as_str(), asked[0].why.as_str()), ("128 bytes", "asked for"));
         assert_eq!((asked[3].chose.as_str(), asked[3].why.as_str()), ("off", "asked for"));
         // The outcome replaces the post-copy line.
@@ -114,7 +113,7 @@ mod tests {
     #[test]
     fn auto_granularity_says_what_the_sub_pages_saved() {
         let options = MigrateOptions::default();
-        let mut choices = initial_choices(&options);
+        let mut choices = initial_choices(&options, options.start_granularity());
         let sub =
             SubpageStats { granularity: 128, resent_pages: 4096, resent_bytes: 4096 * 1024, ..Default::default() };
         granularity_choice(&mut choices, &options, Some(&sub));
@@ -125,7 +124,8 @@ mod tests {
         assert_eq!(choices[0].chose, "128 bytes, whole pages from iteration 2");
         assert!(choices[0].why.ends_with("sent again, under 6 %"), "{:?}", choices[0]);
         // Whole pages from the start where zero-copy sends them.
-        let zero_copy = initial_choices(&MigrateOptions { zero_copy: true, ..options });
+        let zero_copy = MigrateOptions { zero_copy: true, ..options };
+        let zero_copy = initial_choices(&zero_copy, zero_copy.start_granularity());
         assert_eq!(zero_copy[0].chose, "4096 bytes");
     }
 }

@@ -15,7 +15,7 @@ use tsubame_gpu::{Cuda, CudaOptions, Emulator, EncodedBatch, GpuEncoder, GpuErro
 use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
 use super::fetch::Batch;
-use crate::options::GpuOffload;
+use crate::options::{GpuOffload, Granularity};
 use crate::protocol::pages::{
     CompressedHeader, Encoding, PagesBuilder, PAGES_HEADER, RECORDS_PER_FRAME, RECORD_HEADER,
 };
@@ -70,10 +70,8 @@ pub struct ShardEncoder {
 pub struct EncoderSetup<'a> {
     /// Codecs of the whole stream.
     pub codecs: &'a CodecList,
-    /// Sub-page size.
-    pub granularity: u32,
-    /// Whether whole pages may replace sub-pages once they stop paying.
-    pub granularity_auto: bool,
+    /// Sub-page size, and whether whole pages may replace sub-pages.
+    pub granularity: Granularity,
     /// Sub-page detector.
     pub detector: Detector,
     /// Hash bits that count (tests forge collisions).
@@ -94,7 +92,7 @@ pub struct EncoderSetup<'a> {
 /// The far pages of `shard` as local indices, where a sub-page tracker
 /// would otherwise take their baseline for zeros.
 fn far_unseen(shard: u16, setup: &EncoderSetup) -> Option<DirtyBitmap> {
-    let far = setup.far_pages.filter(|_| setup.granularity < PAGE_SIZE as u32)?;
+    let far = setup.far_pages.filter(|_| setup.granularity.bytes < PAGE_SIZE as u32)?;
     let layout = setup.layout;
     let mut mine = DirtyBitmap::new(layout.pages_per_shard(setup.pages_total));
     for page in far.iter().filter(|&page| layout.shard(page) == shard) {
@@ -137,18 +135,18 @@ impl ShardEncoder {
         Ok(ShardEncoder {
             shard,
             layout: setup.layout,
-            granularity: setup.granularity as usize,
+            granularity: setup.granularity.bytes as usize,
             zero_records: codecs.zero,
             far_unseen: far_unseen(shard, setup),
-            subpage: (setup.granularity < PAGE_SIZE as u32).then(|| {
+            subpage: (setup.granularity.bytes < PAGE_SIZE as u32).then(|| {
                 SubpageTracker::new(
                     setup.detector,
-                    setup.granularity,
+                    setup.granularity.bytes,
                     setup.layout.pages_per_shard(setup.pages_total),
                     setup.hash_mask,
                 )
             }),
-            sample_start: setup.granularity_auto.then_some((0, 0)),
+            sample_start: setup.granularity.auto.then_some((0, 0)),
             dropped: None,
             compressor: codecs.batch.map(BatchCompressor::new),
             encoder: PageEncoder::new(&codecs),
@@ -486,8 +484,7 @@ mod tests {
         far.set(4);
         let setup = EncoderSetup {
             codecs: &codecs,
-            granularity: 128,
-            granularity_auto: false,
+            granularity: Granularity { bytes: 128, auto: false },
             detector: Detector::Shadow,
             hash_mask: u64::MAX,
             pages_total: 64,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tsubame_trace::auto_converge::AutoConverge;
 use tsubame_vmm::PAGE_SIZE;
 
+use super::link::LinkRate;
 use crate::options::{MigrateOptions, PostcopyMode};
 use crate::protocol::pages::RECORD_HEADER;
 use crate::stats::{IterationStats, StopReason};
@@ -331,12 +332,12 @@ impl PrecopyPolicy {
 
     /// The measured bandwidth, capped by `--max-bandwidth`.
     pub fn bandwidth_for(&self, options: &MigrateOptions) -> f64 {
-        options.max_bandwidth.map_or(self.bandwidth, |cap| self.bandwidth.min(cap as f64)).max(1.0)
+        LinkRate::of(options).at_most_cap(self.bandwidth).max(1.0)
     }
 
     /// The link's measured capacity, capped by `--max-bandwidth`.
     fn capacity_for(&self, options: &MigrateOptions) -> f64 {
-        options.max_bandwidth.map_or(self.capacity, |cap| self.capacity.min(cap as f64)).max(1.0)
+        LinkRate::of(options).at_most_cap(self.capacity).max(1.0)
     }
 
     /// The rate the codecs' payoff checks weigh their time against: the

@@ -16,7 +16,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::{SourceError, SourceRun};
+use super::error::SourceError;
+use super::link::Link;
+use super::migration::Migration;
 use crate::options::{WarmData, WARM_DATA_WINDOW};
 use crate::protocol::disk::{MAX_BLOCKS_PER_FRAME, MAX_DATA_BLOCKS};
 use crate::protocol::{DiskWritten, FrameKind, WarmBlocks, WarmData as WarmDataFrame};
@@ -45,83 +47,78 @@ pub(super) fn more_data(mode: WarmData, sent_bytes: u64, since_list: Duration, r
     }
 }
 
-impl SourceRun<'_> {
-    /// Sends the disk cache's block list (WARM_BLOCKS frames on channel 0)
-    /// when the VM has a disk cache holding anything and warm migration is
-    /// on.
-    pub(super) fn send_warm_blocks(&mut self) -> Result<(), SourceError> {
-        if !self.options.warm_cache {
-            return Ok(());
-        }
-        let Some(list) = self.vm.disk_warm_start(MAX_WARM_BLOCKS) else { return Ok(()) };
-        if list.blocks.is_empty() {
-            self.vm.disk_warm_stop();
-            return Ok(());
-        }
-        for chunk in list.blocks.chunks(MAX_BLOCKS_PER_FRAME) {
-            let frame = WarmBlocks {
-                disk: list.disk.to_string(),
-                size_bytes: list.size_bytes,
-                cache_bytes: list.cache_bytes,
-                blocks: chunk.to_vec(),
-            };
-            self.write_control(FrameKind::WarmBlocks, &frame.encode())?;
-        }
-        self.stats.warm_cache =
-            Some(WarmCacheStats { blocks_listed: list.blocks.len() as u64, ..WarmCacheStats::default() });
-        self.warm_unsent = Some(WarmUnsent { blocks: list.blocks, listed_at: Instant::now() });
-        Ok(())
+/// Sends the disk cache's block list (WARM_BLOCKS frames on channel 0)
+/// when the VM has a disk cache holding anything and warm migration is
+/// on; returns the blocks named, whose contents may still go.
+pub(super) fn send_blocks(m: &mut Migration, link: &mut Link) -> Result<Option<WarmUnsent>, SourceError> {
+    if !m.options.warm_cache {
+        return Ok(None);
     }
+    let Some(list) = m.vm.disk_warm_start(MAX_WARM_BLOCKS) else { return Ok(None) };
+    if list.blocks.is_empty() {
+        m.vm.disk_warm_stop();
+        return Ok(None);
+    }
+    for chunk in list.blocks.chunks(MAX_BLOCKS_PER_FRAME) {
+        let frame = WarmBlocks {
+            disk: list.disk.to_string(),
+            size_bytes: list.size_bytes,
+            cache_bytes: list.cache_bytes,
+            blocks: chunk.to_vec(),
+        };
+        link.write_control(FrameKind::WarmBlocks, &frame.encode())?;
+    }
+    m.stats.warm_cache = Some(WarmCacheStats { blocks_listed: list.blocks.len() as u64, ..WarmCacheStats::default() });
+    Ok(Some(WarmUnsent { blocks: list.blocks, listed_at: Instant::now() }))
+}
 
-    /// Sends the contents of the listed blocks, those the guest likely
-    /// reads next first, that `--warm-data` lets go and the source's cache
-    /// still holds (WARM_DATA frames on channel 0). A block the guest
-    /// writes after it was read here is named in a later DISK_WRITTEN, so
-    /// the destination drops the stale copy.
-    pub(super) fn send_warm_data(&mut self) -> Result<(), SourceError> {
-        let Some(unsent) = self.warm_unsent.take() else { return Ok(()) };
-        let rate = self.vm.disk_stats().map_or(0.0, |d| d.recent_read_bytes_per_sec);
-        let started = Instant::now();
-        let (mut sent, mut sent_bytes) = (0, 0);
-        for chunk in unsent.blocks.chunks(MAX_DATA_BLOCKS) {
-            if !more_data(self.options.warm_data, sent_bytes, unsent.listed_at.elapsed(), rate) {
-                break;
-            }
-            // One chunk at a time: the vCPU waits for the cache's lock
-            // only as long as copying 1 MiB takes.
-            let data = WarmDataFrame { blocks: self.vm.disk_cached_blocks(chunk) };
-            if data.blocks.is_empty() {
-                continue;
-            }
-            sent += data.blocks.len() as u64;
-            sent_bytes += data.blocks.iter().map(|(_, bytes)| bytes.len() as u64).sum::<u64>();
-            self.write_control(FrameKind::WarmData, &data.encode())?;
+/// Sends the contents of the listed blocks (`unsent`), those the guest
+/// likely reads next first, that `--warm-data` lets go and the source's
+/// cache still holds (WARM_DATA frames on channel 0). A block the guest
+/// writes after it was read here is named in a later DISK_WRITTEN, so
+/// the destination drops the stale copy.
+pub(super) fn send_data(m: &mut Migration, link: &mut Link, unsent: WarmUnsent) -> Result<(), SourceError> {
+    let rate = m.vm.disk_stats().map_or(0.0, |d| d.recent_read_bytes_per_sec);
+    let started = Instant::now();
+    let (mut sent, mut sent_bytes) = (0, 0);
+    for chunk in unsent.blocks.chunks(MAX_DATA_BLOCKS) {
+        if !more_data(m.options.warm_data, sent_bytes, unsent.listed_at.elapsed(), rate) {
+            break;
         }
-        if let Some(warm) = self.stats.warm_cache.as_mut() {
-            warm.blocks_sent += sent;
-            warm.read_bytes_per_sec = rate;
-            warm.data_seconds = started.elapsed().as_secs_f64();
+        // One chunk at a time: the vCPU waits for the cache's lock
+        // only as long as copying 1 MiB takes.
+        let data = WarmDataFrame { blocks: m.vm.disk_cached_blocks(chunk) };
+        if data.blocks.is_empty() {
+            continue;
         }
-        Ok(())
+        sent += data.blocks.len() as u64;
+        sent_bytes += data.blocks.iter().map(|(_, bytes)| bytes.len() as u64).sum::<u64>();
+        link.write_control(FrameKind::WarmData, &data.encode())?;
     }
+    if let Some(warm) = m.stats.warm_cache.as_mut() {
+        warm.blocks_sent += sent;
+        warm.read_bytes_per_sec = rate;
+        warm.data_seconds = started.elapsed().as_secs_f64();
+    }
+    Ok(())
+}
 
-    /// DISK_WRITTEN payloads for the blocks written since the last call
-    /// (none when no warm list went out).
-    pub(super) fn disk_written_frames(&mut self) -> Vec<Vec<u8>> {
-        let Some(warm) = self.stats.warm_cache.as_mut() else { return Vec::new() };
-        let blocks = self.vm.disk_written_blocks();
-        warm.blocks_written += blocks.len() as u64;
-        blocks.chunks(MAX_BLOCKS_PER_FRAME).map(|c| DiskWritten { blocks: c.to_vec() }.encode()).collect()
-    }
+/// DISK_WRITTEN payloads for the blocks written since the last call
+/// (none when no warm list went out).
+pub(super) fn disk_written_frames(m: &mut Migration) -> Vec<Vec<u8>> {
+    let Some(warm) = m.stats.warm_cache.as_mut() else { return Vec::new() };
+    let blocks = m.vm.disk_written_blocks();
+    warm.blocks_written += blocks.len() as u64;
+    blocks.chunks(MAX_BLOCKS_PER_FRAME).map(|c| DiskWritten { blocks: c.to_vec() }.encode()).collect()
+}
 
-    /// Sends DISK_WRITTEN on channel 0 for the blocks written since the
-    /// last call.
-    pub(super) fn send_disk_written(&mut self) -> Result<(), SourceError> {
-        for payload in self.disk_written_frames() {
-            self.write_control(FrameKind::DiskWritten, &payload)?;
-        }
-        Ok(())
+/// Sends DISK_WRITTEN on channel 0 for the blocks written since the
+/// last call.
+pub(super) fn send_disk_written(m: &mut Migration, link: &mut Link) -> Result<(), SourceError> {
+    for payload in disk_written_frames(m) {
+        link.write_control(FrameKind::DiskWritten, &payload)?;
     }
+    Ok(())
 }
 
 #[cfg(test)]

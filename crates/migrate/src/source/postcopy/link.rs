@@ -18,9 +18,9 @@ use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
     self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
 };
+use crate::source::error::SourceError;
 use crate::source::send::Writer;
 use crate::source::vm::SourceVm;
-use crate::source::SourceError;
 use crate::transport::{Pacer, Stream};
 
 /// Pages' hashes handed to the digest at a time. The request server's
@@ -242,7 +242,7 @@ pub(super) struct Counters {
 /// The connections of the post-copy phase and the threads on them: the
 /// data channels (pushed pages), the reader of channel 0 (requests and
 /// replies) and the request server on its own connection.
-pub(super) struct Link {
+pub(super) struct PostcopyLink {
     pub(super) writers: Vec<Writer>,
     pub(super) heard: Receiver<Heard>,
     pub(super) reader: std::thread::JoinHandle<()>,
@@ -251,7 +251,7 @@ pub(super) struct Link {
     pub(super) digest: Option<DigestFeed>,
 }
 
-impl Link {
+impl PostcopyLink {
     pub(super) fn start(
         vm: &dyn SourceVm,
         (writers, reader, urgent): Connections,
@@ -260,7 +260,7 @@ impl Link {
         pacer: Option<Arc<Pacer>>,
         digest: Option<DigestFeed>,
         packing: Packing,
-    ) -> Link {
+    ) -> PostcopyLink {
         let (heard_tx, heard) = unbounded();
         let (requests_tx, requests) = unbounded::<Vec<u64>>();
         let pages = memory::page_count(vm.memory());
@@ -282,7 +282,7 @@ impl Link {
                 .name("postcopy-urgent".into())
                 .spawn(move || server.run(memory, requests, heard_tx));
         }
-        Link { writers, heard, reader, digest }
+        PostcopyLink { writers, heard, reader, digest }
     }
 }
 

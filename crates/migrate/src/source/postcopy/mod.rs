@@ -10,8 +10,9 @@
 //! (docs/security.md): neither end alone holds it whole.
 
 mod link;
+mod resume;
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,15 +20,17 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use self::link::{Connections, Counters, Heard, Link, Outstanding, Packer, Packing, PageFrames, HASHES_HANDED};
+use self::link::{Counters, Heard, Outstanding, Packer, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
+use self::resume::reconnect;
+use super::error::SourceError;
+use super::fetch::remove_unpopulated;
+use super::link::Link;
+use super::migration::{ms, Migration};
 use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
-use super::{ms, SourceError, SourceRun};
-use crate::digest::DigestFeed;
-use crate::protocol::{
-    self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, Resume, ResumeAck, SourceState, WireError,
-};
+use super::warm;
+use crate::protocol::{self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, SourceState};
 use crate::stats::{DowntimeBreakdown, PostcopyStats};
-use crate::transport::{Address, Metered, Stream, TransportError};
+use crate::transport::Stream;
 
 /// Pages one background push takes at a time: small, so an asked-for page
 /// never waits long for the pusher to look at the requests.
@@ -69,34 +72,55 @@ const PUSH_BURST: Duration = Duration::from_millis(1);
 /// How often a source waiting for its digest says it is alive (well within the destination's I/O timeout).
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
-impl SourceRun<'_> {
+/// The post-copy phase: what pre-copy hands over.
+pub(super) struct Postcopy {
+    /// The pages the destination lacks (stale or never sent).
+    missing: DirtyBitmap,
+    /// The last ITERATION_END sent on every channel (None: pre-copy sent
+    /// none).
+    last_iteration: Option<u32>,
+    /// The link's capacity pre-copy measured (capped; 0: unknown), bytes
+    /// per second: the link's rate for the push and its compression where
+    /// no cap sets it.
+    link_capacity: f64,
+}
+
+impl Postcopy {
+    /// Post-copy of the pages in `missing`, after the pre-copy iteration
+    /// `last_iteration`, over a link pre-copy measured at `link_capacity`.
+    pub(super) fn new(missing: DirtyBitmap, last_iteration: Option<u32>, link_capacity: f64) -> Postcopy {
+        Postcopy { missing, last_iteration, link_capacity }
+    }
+
     /// Pauses the VM, hands it to the destination with the set of pages it
     /// must not use (`missing`: stale or never sent, to which the pages
     /// dirtied since are added), and sends those pages until it holds
-    /// them all. `last_iteration`: the last ITERATION_END sent.
-    pub(super) fn postcopy(&mut self, missing: DirtyBitmap, last_iteration: Option<u32>) -> Result<(), SourceError> {
-        let vm = self.vm;
+    /// them all.
+    pub(super) fn run(self, m: &mut Migration, link: &mut Link) -> Result<(), SourceError> {
+        let Postcopy { missing, last_iteration, link_capacity } = self;
+        let (vm, options) = (m.vm, m.options);
         // The pages already queued go out while the guest still runs: what
         // it dirties meanwhile is in the dirty log read after the pause.
         // (Draining after the pause cost 80-230 ms of downtime at 1 Gbit/s.)
-        let mut writers = self.finish_engine();
+        let mut writers = link.finish_engine(&mut m.stats, options);
         // And through the link: POSTCOPY must not queue behind them, the
         // destination reads it while the guest is paused.
         super::send::drain(&writers.iter().collect::<Vec<_>>(), DRAINED, DRAIN_LIMIT);
-        let timeout_ms = self.options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
+        let timeout_ms = options.postcopy_timeout.as_millis().min(u32::MAX as u128) as u32;
         // Until the destination runs the VM this thread (and the link's,
         // started meanwhile) waits for no running guest to yield a CPU.
         let realtime = tsubame_vmm::cpu_time::realtime_thread();
         // What went stale is dropped at the destination while the guest
         // still runs here; the pause adds only what it dirtied since.
         let handed_over = missing.clone();
-        let (mut missing, mut last) = self.prepare(&mut writers[0], missing, last_iteration, timeout_ms)?;
-        self.enter(SourceState::StopAndCopy);
+        let reader = link.reader.as_mut().expect("connected");
+        let (mut missing, mut last) = prepare(m, &mut writers[0], reader, missing, last_iteration, timeout_ms)?;
+        m.enter(SourceState::StopAndCopy);
         // Only what the destination needs before it runs the VM happens
         // between the pause and the hand-over; the rest waits until after.
         let mut fresh = vm.dirty_bitmap();
         let paused = Instant::now();
-        self.pause_vm()?;
+        m.pause_vm()?;
         let stopped = Instant::now();
         // Pages dirtied since are populated, and not far: taken as they are.
         vm.dirty_log(&mut fresh)?;
@@ -108,7 +132,7 @@ impl SourceRun<'_> {
             // The set goes first, while the vCPU thread still reads the
             // state: the destination takes it in meanwhile.
             let w = &mut writers[0];
-            for payload in &self.disk_written_frames() {
+            for payload in &warm::disk_written_frames(m) {
                 protocol::write_frame(w, FrameKind::DiskWritten, payload)?;
             }
             write_frame_flushed(w, FrameKind::Postcopy, &start.encode())?;
@@ -117,22 +141,22 @@ impl SourceRun<'_> {
         }
         let handed = Instant::now();
         // The point of no return: the destination may run the VM now.
-        self.enter(SourceState::Postcopy);
+        m.enter(SourceState::Postcopy);
         missing.union_with(&start.missing);
-        if let Some(far) = &self.far_filter {
+        if let Some(far) = m.far_filter() {
             missing.iter().for_each(|page| far.mark_sent(page));
         }
         let pages = missing.count();
-        let started_ms = ms(self.start.elapsed());
-        self.stats.postcopy =
+        let started_ms = ms(m.start.elapsed());
+        m.stats.postcopy =
             Some(PostcopyStats { started_at_ms: started_ms, pages_missing: pages, ..Default::default() });
-        self.stats.stop_reason = crate::stats::StopReason::Postcopy;
+        m.stats.stop_reason = crate::stats::StopReason::Postcopy;
 
         // Every page that may differ from its last hash: those to send
         // are hashed by the senders as they read them (this memory no
         // longer changes), not read again by the digest. Without pre-copy
         // the digest hashes every page itself, once the destination runs.
-        let feed = match (&self.digest, last_iteration) {
+        let feed = match (&m.digest, last_iteration) {
             (Some(digest), Some(_)) => {
                 digest.await_hashes(missing.clone());
                 // Pages awaited since the hand-over that go nowhere (never
@@ -149,27 +173,27 @@ impl SourceRun<'_> {
         // Asked-for pages and the push are compressed while that pays at
         // the link's rate (pages a guest wrote a few words of shrink a
         // lot, random bytes not at all).
-        let cap = self.options.max_bandwidth.map(|cap| cap as f64);
-        let bandwidth = cap.unwrap_or(self.policy.codec_link_rate(self.options));
-        let codec = self.options.codecs.batch.unwrap_or(BatchCodec::Lz4);
+        let bandwidth = link.rate.known_or(link_capacity);
+        let codec = options.codecs.batch.unwrap_or(BatchCodec::Lz4);
         let packing = Packing { codec, bandwidth: if bandwidth.is_finite() { bandwidth } else { f64::INFINITY } };
         let counters = Counters::default();
         let outstanding = Arc::new(Mutex::new(Outstanding { unsent: missing, cursor: 0, link: 0 }));
-        let reader = self.reader.take().expect("connected");
-        let urgent = self.urgent.take();
+        let reader = link.reader.take().expect("connected");
+        let urgent = link.urgent.take();
         let connections = (writers, reader, urgent);
-        let mut link = Link::start(vm, connections, &outstanding, &counters, self.pacer.clone(), feed, packing);
+        let pacer = Some(link.pacer.clone());
+        let mut postcopy_link = PostcopyLink::start(vm, connections, &outstanding, &counters, pacer, feed, packing);
 
         // The destination runs the VM once it says so: the downtime ends.
         // (A cut link here is taken back like any other: a destination
         // takes a RESUME only once it runs the VM.)
         let mut resumes = 0;
-        match link.heard.recv_timeout(self.options.io_timeout) {
+        match postcopy_link.heard.recv_timeout(options.io_timeout) {
             Ok(Heard::Running(running, heard_at)) => {
-                self.stats.cpu_seconds.destination = running.cpu_micros as f64 / 1e6;
+                m.stats.cpu_seconds.destination = running.cpu_micros as f64 / 1e6;
                 // When the reader heard it, not when this thread woke up.
-                self.stats.downtime_ms = ms(heard_at - paused);
-                self.stats.downtime_breakdown = DowntimeBreakdown {
+                m.stats.downtime_ms = ms(heard_at - paused);
+                m.stats.downtime_breakdown = DowntimeBreakdown {
                     pause_ms: ms(stopped - paused),
                     final_pages_ms: ms(looked - stopped),
                     state_ms: ms(handed - looked),
@@ -178,22 +202,22 @@ impl SourceRun<'_> {
                 };
             }
             Ok(Heard::Lost(why)) => {
-                self.enter(SourceState::PostcopyPaused);
-                let digest = link.digest.clone();
-                link =
-                    self.reconnect(&why, &outstanding, &counters, digest, packing).map_err(SourceError::unconfirmed)?;
+                m.enter(SourceState::PostcopyPaused);
+                let digest = postcopy_link.digest.clone();
+                postcopy_link = reconnect(m, link, &why, &outstanding, &counters, digest, packing)
+                    .map_err(SourceError::unconfirmed)?;
                 resumes += 1;
-                self.enter(SourceState::Postcopy);
-                self.stats.downtime_ms = ms(paused.elapsed());
+                m.enter(SourceState::Postcopy);
+                m.stats.downtime_ms = ms(paused.elapsed());
             }
-            Ok(other) => return Err(self.postcopy_failure(other)),
+            Ok(other) => return Err(postcopy_failure(other)),
             Err(_) => return Err(SourceError::SwitchUnconfirmed("no word within the I/O timeout".into())),
         }
         // The destination runs the VM: this copy is stale from now on.
-        self.stats.postcopy.as_mut().expect("set at the switch").switch_confirmed = true;
+        m.stats.postcopy.as_mut().expect("set at the switch").switch_confirmed = true;
         drop(realtime);
-        if link.digest.is_none() {
-            self.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
+        if postcopy_link.digest.is_none() {
+            m.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
         }
 
         // Push the rest at the link's rate, paced only by the user's cap
@@ -205,36 +229,35 @@ impl SourceRun<'_> {
         // the measure was high. Paced at 0.955 of the cap, for the headers
         // a shaped link counts, it took 0.4 % longer than at the cap: the
         // window keeps the queue short either way.)
-        if let Some(pacer) = &self.pacer {
-            pacer.set_rate(cap.map(|rate| rate as u64));
-            pacer.set_burst(PUSH_BURST);
-        }
+        link.pacer.set_rate(link.rate.pacer_rate());
+        link.pacer.set_burst(PUSH_BURST);
         let window = PushWindow { bandwidth: (bandwidth > 1.0 && bandwidth.is_finite()).then_some(bandwidth) };
         // The push is bulk work: the threads that serve faults go first.
         let _background = tsubame_vmm::cpu_time::lower_thread_priority();
         let mut frames = PageFrames::new();
         frames.packer = Some(Packer::new(packing.codec, packing.bandwidth));
         let done = loop {
-            match self.push_until_done(&mut link, &outstanding, &mut frames, &counters, &window) {
+            match push_until_done(m, &mut postcopy_link, &outstanding, &mut frames, &counters, &window) {
                 Ok(done) => break done,
                 Err(Heard::Lost(why)) => {
                     // Both ends keep what they have and wait for the link.
-                    self.enter(SourceState::PostcopyPaused);
-                    link = self.reconnect(&why, &outstanding, &counters, link.digest.clone(), packing)?;
+                    m.enter(SourceState::PostcopyPaused);
+                    let digest = postcopy_link.digest.clone();
+                    postcopy_link = reconnect(m, link, &why, &outstanding, &counters, digest, packing)?;
                     resumes += 1;
-                    self.enter(SourceState::Postcopy);
+                    m.enter(SourceState::Postcopy);
                 }
-                Err(other) => return Err(self.postcopy_failure(other)),
+                Err(other) => return Err(postcopy_failure(other)),
             }
         };
-        drop(link);
-        let stats = self.stats.postcopy.as_mut().expect("set at the switch");
-        stats.duration_ms = ms(self.start.elapsed()) - started_ms;
+        drop(postcopy_link);
+        let stats = m.stats.postcopy.as_mut().expect("set at the switch");
+        stats.duration_ms = ms(m.start.elapsed()) - started_ms;
         stats.pages_pushed = counters.pushed.load(Ordering::Relaxed);
         stats.pages_sent_on_request = counters.urgent_pages.load(Ordering::Relaxed);
         stats.pages_zero = frames.zero;
         if let Some(packer) = frames.packer.as_ref().filter(|p| p.bytes_in > 0) {
-            let codec = self.stats.codec.entry(format!("{} (post-copy)", packer.name())).or_default();
+            let codec = m.stats.codec.entry(format!("{} (post-copy)", packer.name())).or_default();
             codec.bytes_in += packer.bytes_in;
             codec.bytes_out += packer.bytes_out;
         }
@@ -245,284 +268,197 @@ impl SourceRun<'_> {
         stats.fault_latency_max_us = done.latency_max_us;
         stats.guest_ops_per_sec = done.guest_ops_per_sec;
         stats.resumes = resumes;
-        self.stats.cpu_seconds.destination += done.cpu_micros as f64 / 1e6;
-        self.stats.pages_sent += stats.pages_pushed + stats.pages_sent_on_request;
-        self.stats.bytes_on_wire =
-            self.pacer.as_ref().map_or(0, |p| p.bytes()) + counters.urgent_bytes.load(Ordering::Relaxed);
+        m.stats.cpu_seconds.destination += done.cpu_micros as f64 / 1e6;
+        m.stats.pages_sent += stats.pages_pushed + stats.pages_sent_on_request;
+        m.stats.bytes_on_wire = link.pacer.bytes() + counters.urgent_bytes.load(Ordering::Relaxed);
         if done.mismatched > 0 {
             return Err(SourceError::PostcopyCorrupt(done.mismatched));
         }
-        self.stats.digest_verified = true;
+        m.stats.digest_verified = true;
         Ok(())
     }
+}
 
-    /// Tells the destination, while the guest still runs, which pages it
-    /// must drop: `missing` (stale or never sent) and what the dirty log
-    /// adds, then in rounds what went stale during the last round, until
-    /// a round finds few new pages. Returns the pages named and those the
-    /// last look found (left for the pause). `last_iteration`: the last
-    /// ITERATION_END sent.
-    fn prepare(
-        &mut self,
-        writer: &mut Writer,
-        mut missing: DirtyBitmap,
-        last_iteration: Option<u32>,
-        timeout_ms: u32,
-    ) -> Result<(DirtyBitmap, DirtyBitmap), SourceError> {
-        let vm = self.vm;
-        self.enter(SourceState::PostcopyPrepare);
-        let mut fresh = vm.dirty_bitmap();
+/// Tells the destination, while the guest still runs, which pages it
+/// must drop: `missing` (stale or never sent) and what the dirty log
+/// adds, then in rounds what went stale during the last round, until
+/// a round finds few new pages. Returns the pages named and those the
+/// last look found (left for the pause). `last_iteration`: the last
+/// ITERATION_END sent. It writes on channel 0's `writer` and reads its
+/// `reader`.
+fn prepare(
+    m: &mut Migration,
+    writer: &mut Writer,
+    reader: &mut BufReader<Stream>,
+    mut missing: DirtyBitmap,
+    last_iteration: Option<u32>,
+    timeout_ms: u32,
+) -> Result<(DirtyBitmap, DirtyBitmap), SourceError> {
+    let vm = m.vm;
+    m.enter(SourceState::PostcopyPrepare);
+    let mut fresh = vm.dirty_bitmap();
+    vm.dirty_log(&mut fresh)?;
+    missing.union_with(&fresh);
+    // Only this first set needs sifting: later ones hold pages dirtied
+    // since, which are populated and not far.
+    skip_unneeded(m, &mut missing)?;
+    let mut round = PostcopyStart { last_iteration, timeout_ms, missing };
+    let mut named = vm.dirty_bitmap();
+    let mut previous = u64::MAX;
+    for _ in 0..PREPARE_ROUNDS {
+        write_frame_flushed(writer, FrameKind::PostcopyPrepare, &round.encode())?;
+        named.union_with(&round.missing);
+        await_prepared(m, reader)?;
         vm.dirty_log(&mut fresh)?;
-        missing.union_with(&fresh);
-        // Only this first set needs sifting: later ones hold pages dirtied
-        // since, which are populated and not far.
-        self.skip_unneeded(&mut missing)?;
-        let mut round = PostcopyStart { last_iteration, timeout_ms, missing };
-        let mut named = vm.dirty_bitmap();
-        let mut previous = u64::MAX;
-        for _ in 0..PREPARE_ROUNDS {
-            write_frame_flushed(writer, FrameKind::PostcopyPrepare, &round.encode())?;
-            named.union_with(&round.missing);
-            self.await_prepared()?;
-            vm.dirty_log(&mut fresh)?;
-            fresh.subtract(&named);
-            let new = fresh.count();
-            if new <= FEW_STALE || new >= previous {
-                break;
-            }
-            previous = new;
-            round = PostcopyStart { last_iteration: None, timeout_ms, missing: fresh.clone() };
-            fresh.clear();
+        fresh.subtract(&named);
+        let new = fresh.count();
+        if new <= FEW_STALE || new >= previous {
+            break;
         }
-        Ok((named, fresh))
+        previous = new;
+        round = PostcopyStart { last_iteration: None, timeout_ms, missing: fresh.clone() };
+        fresh.clear();
     }
+    Ok((named, fresh))
+}
 
-    /// Waits for POSTCOPY_PREPARED on channel 0.
-    fn await_prepared(&mut self) -> Result<(), SourceError> {
-        let reader = self.reader.as_mut().expect("connected");
-        let mut frame = Vec::new();
-        let kind = protocol::read_frame(reader, &mut frame)?;
-        self.state.check(kind)?;
-        if kind == FrameKind::Error {
-            return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
-        }
-        Ok(())
+/// Waits for POSTCOPY_PREPARED on channel 0.
+fn await_prepared(m: &Migration, reader: &mut BufReader<Stream>) -> Result<(), SourceError> {
+    let mut frame = Vec::new();
+    let kind = protocol::read_frame(reader, &mut frame)?;
+    m.state.check(kind)?;
+    if kind == FrameKind::Error {
+        return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
     }
+    Ok(())
+}
 
-    /// Takes out of `pages` those the destination does not get from here:
-    /// far memory's ([`super::fetch::FarFilter::remove_unneeded`]), and
-    /// pages never populated here, whose zeros the destination's fresh
-    /// memory holds already (pre-copy never sent it other bytes for them):
-    /// such a page needs no push, and a guest touching it there gets a
-    /// zero page at once instead of a round trip (a 4 GiB fill-random VM
-    /// has 1 GiB of them). The pages taken out have their dirty bits
-    /// cleared, so that a later look at the log shows only pages written
-    /// since, and are then looked at again: one written meanwhile stays.
-    fn skip_unneeded(&self, pages: &mut DirtyBitmap) -> Result<(), SourceError> {
-        let mut skipped = pages.clone();
-        self.remove_unneeded(pages)?;
-        skipped.subtract(pages);
-        if skipped.is_empty() {
-            return Ok(());
-        }
-        for (first, words) in skipped.chunks(1024).filter(|(_, words)| words.iter().any(|&w| w != 0)) {
-            self.vm.clear_dirty_log(first, words)?;
-        }
-        // What is left of them once the unneeded go again: written meanwhile.
-        self.remove_unneeded(&mut skipped)?;
-        pages.union_with(&skipped);
-        Ok(())
+/// Takes out of `pages` those the destination does not get from here:
+/// far memory's ([`super::fetch::FarFilter::remove_unneeded`]), and
+/// pages never populated here, whose zeros the destination's fresh
+/// memory holds already (pre-copy never sent it other bytes for them):
+/// such a page needs no push, and a guest touching it there gets a
+/// zero page at once instead of a round trip (a 4 GiB fill-random VM
+/// has 1 GiB of them). The pages taken out have their dirty bits
+/// cleared, so that a later look at the log shows only pages written
+/// since, and are then looked at again: one written meanwhile stays.
+fn skip_unneeded(m: &Migration, pages: &mut DirtyBitmap) -> Result<(), SourceError> {
+    let mut skipped = pages.clone();
+    remove_unneeded(m, pages)?;
+    skipped.subtract(pages);
+    if skipped.is_empty() {
+        return Ok(());
     }
-
-    /// [`Self::skip_unneeded`]'s test, without the dirty log.
-    fn remove_unneeded(&self, pages: &mut DirtyBitmap) -> Result<(), SourceError> {
-        match &self.far_filter {
-            Some(far) => far.remove_unneeded(self.vm.memory(), pages)?,
-            None => super::fetch::remove_unpopulated(self.vm.memory(), pages),
-        }
-        Ok(())
+    for (first, words) in skipped.chunks(1024).filter(|(_, words)| words.iter().any(|&w| w != 0)) {
+        m.vm.clear_dirty_log(first, words)?;
     }
+    // What is left of them once the unneeded go again: written meanwhile.
+    remove_unneeded(m, &mut skipped)?;
+    pages.union_with(&skipped);
+    Ok(())
+}
 
-    /// Pushes every page not sent yet, then the digest, and waits for the
-    /// destination to hold them all. A cut link or a refusal comes back as
-    /// what was heard.
-    fn push_until_done(
-        &mut self,
-        link: &mut Link,
-        outstanding: &Mutex<Outstanding>,
-        frames: &mut PageFrames,
-        counters: &Counters,
-        window: &PushWindow,
-    ) -> Result<PostcopyDone, Heard> {
-        let vm = self.vm;
-        let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
-        frames.hash = link.digest.is_some();
-        let mut next = 0usize;
-        let mut contention = Contention::over(&link.writers);
-        loop {
-            match link.heard.try_recv() {
-                // A destination that had every page before a cut says so
-                // again as the link comes back.
-                Ok(Heard::Done(done)) => return Ok(done),
-                Ok(event) => return Err(event),
-                Err(_) => {}
-            }
-            let batch = outstanding.lock().unwrap().take(PUSH_PAGES);
-            if batch.is_empty() {
-                break;
-            }
-            counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
-            let channels = link.writers.len();
-            // Straight on to the socket: an asked-for page the push took
-            // is not sent again, so it must not wait in a buffer. (Past
-            // the writer's buffer, once it is empty: a copy less.)
-            let writer = &mut link.writers[next % channels];
-            writer.flush().map_err(lost)?;
-            let mut rest = bytes;
-            while !rest.is_empty() {
-                let contended = contention.now(&counters.urgent_pages);
-                let piece = if contended { CONTENDED_PIECE } else { PUSH_PIECE };
-                let (now, later) = rest.split_at(piece.min(rest.len()));
-                window.wait_for_room(writer, contended);
-                writer.get_mut().write_all(now).map_err(lost)?;
-                rest = later;
-            }
-            next += 1;
-            if let Some(digest) = &link.digest {
-                frames.hand_hashes(digest, HASHES_HANDED);
-            }
+/// [`skip_unneeded`]'s test, without the dirty log.
+fn remove_unneeded(m: &Migration, pages: &mut DirtyBitmap) -> Result<(), SourceError> {
+    match m.far_filter() {
+        Some(far) => far.remove_unneeded(m.vm.memory(), pages)?,
+        None => remove_unpopulated(m.vm.memory(), pages),
+    }
+    Ok(())
+}
+
+/// Pushes every page not sent yet, then the digest, and waits for the
+/// destination to hold them all. A cut link or a refusal comes back as
+/// what was heard.
+fn push_until_done(
+    m: &Migration,
+    link: &mut PostcopyLink,
+    outstanding: &Mutex<Outstanding>,
+    frames: &mut PageFrames,
+    counters: &Counters,
+    window: &PushWindow,
+) -> Result<PostcopyDone, Heard> {
+    let vm = m.vm;
+    let lost = |e: std::io::Error| Heard::Lost(format!("link lost while pushing pages: {e}"));
+    frames.hash = link.digest.is_some();
+    let mut next = 0usize;
+    let mut contention = Contention::over(&link.writers);
+    loop {
+        match link.heard.try_recv() {
+            // A destination that had every page before a cut says so
+            // again as the link comes back.
+            Ok(Heard::Done(done)) => return Ok(done),
+            Ok(event) => return Err(event),
+            Err(_) => {}
         }
+        let batch = outstanding.lock().unwrap().take(PUSH_PAGES);
+        if batch.is_empty() {
+            break;
+        }
+        counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
+        let channels = link.writers.len();
+        // Straight on to the socket: an asked-for page the push took
+        // is not sent again, so it must not wait in a buffer. (Past
+        // the writer's buffer, once it is empty: a copy less.)
+        let writer = &mut link.writers[next % channels];
+        writer.flush().map_err(lost)?;
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let contended = contention.now(&counters.urgent_pages);
+            let piece = if contended { CONTENDED_PIECE } else { PUSH_PIECE };
+            let (now, later) = rest.split_at(piece.min(rest.len()));
+            window.wait_for_room(writer, contended);
+            writer.get_mut().write_all(now).map_err(lost)?;
+            rest = later;
+        }
+        next += 1;
         if let Some(digest) = &link.digest {
-            frames.hand_hashes(digest, 1);
-        }
-        for w in &mut link.writers {
-            w.flush().map_err(lost)?;
-        }
-        // The destination takes a link silent for its I/O timeout as cut.
-        // Hashing what changed since the switch can take that long on a
-        // busy host (a 4 GiB guest lost this way beside the fault suite):
-        // meanwhile a POSTCOPY_PAGES frame with no records says the source
-        // is still here.
-        let pending = self.digest.as_ref().expect("pre-copy marked memory").request_hashes();
-        let hashes = loop {
-            match pending.recv_timeout(KEEPALIVE) {
-                Ok(hashes) => break hashes,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    let alive = frames.keepalive();
-                    link.writers[0].write_all(alive).and_then(|_| link.writers[0].flush()).map_err(lost)?;
-                }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                    return Err(Heard::Refused("the digest thread ended".into()))
-                }
-            }
-        };
-        let digest = Digest { region: self.options.digest_region, hashes };
-        write_frame_flushed(&mut link.writers[0], FrameKind::Digest, &digest.encode()).map_err(lost)?;
-        loop {
-            match link.heard.recv_timeout(Duration::from_secs(1)) {
-                Ok(Heard::Done(done)) => return Ok(done),
-                Ok(other) => return Err(other),
-                Err(_) if link.reader.is_finished() => return Err(Heard::Lost("the destination went silent".into())),
-                Err(_) => continue,
-            }
+            frames.hand_hashes(digest, HASHES_HANDED);
         }
     }
-
-    /// Reconnects to the destination after a cut, trying every half second
-    /// (or at once when `tsubame migrate --resume` asks) until
-    /// `--postcopy-timeout` has passed: then the VM is lost.
-    fn reconnect(
-        &mut self,
-        why: &str,
-        outstanding: &Arc<Mutex<Outstanding>>,
-        counters: &Counters,
-        digest: Option<DigestFeed>,
-        packing: Packing,
-    ) -> Result<Link, SourceError> {
-        let vm = self.vm;
-        let deadline = Instant::now() + self.options.postcopy_timeout;
-        loop {
-            let asked = self.progress.take_resume_request();
-            // A new address is kept only once it worked: a wrong one
-            // changes nothing.
-            let to = match &asked {
-                Some((Some(to), _)) => to.clone(),
-                _ => self.to.clone(),
-            };
-            match self.resume_link(&to, outstanding) {
-                Ok(connections) => {
-                    self.to = to;
-                    if let Some((_, reply)) = asked {
-                        let _ = reply.send(Ok(()));
-                    }
-                    let pacer = self.pacer.clone();
-                    return Ok(Link::start(vm, connections, outstanding, counters, pacer, digest, packing));
-                }
-                Err(e) => {
-                    if let Some((_, reply)) = asked {
-                        let _ = reply.send(Err(format!("cannot resume: {e}")));
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(SourceError::PostcopyLost(format!(
-                            "{why}; the destination did not come back within {} s ({e})",
-                            self.options.postcopy_timeout.as_secs()
-                        )));
-                    }
-                    self.progress.wait_resume_request(Duration::from_millis(500));
-                }
+    if let Some(digest) = &link.digest {
+        frames.hand_hashes(digest, 1);
+    }
+    for w in &mut link.writers {
+        w.flush().map_err(lost)?;
+    }
+    // The destination takes a link silent for its I/O timeout as cut.
+    // Hashing what changed since the switch can take that long on a
+    // busy host (a 4 GiB guest lost this way beside the fault suite):
+    // meanwhile a POSTCOPY_PAGES frame with no records says the source
+    // is still here.
+    let pending = m.digest.as_ref().expect("pre-copy marked memory").request_hashes();
+    let hashes = loop {
+        match pending.recv_timeout(KEEPALIVE) {
+            Ok(hashes) => break hashes,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                let alive = frames.keepalive();
+                link.writers[0].write_all(alive).and_then(|_| link.writers[0].flush()).map_err(lost)?;
             }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                return Err(Heard::Refused("the digest thread ended".into()))
+            }
+        }
+    };
+    let digest = Digest { region: m.options.digest_region, hashes };
+    write_frame_flushed(&mut link.writers[0], FrameKind::Digest, &digest.encode()).map_err(lost)?;
+    loop {
+        match link.heard.recv_timeout(Duration::from_secs(1)) {
+            Ok(Heard::Done(done)) => return Ok(done),
+            Ok(other) => return Err(other),
+            Err(_) if link.reader.is_finished() => return Err(Heard::Lost("the destination went silent".into())),
+            Err(_) => continue,
         }
     }
+}
 
-    /// One attempt: channel 0 again (RESUME, RESUME_ACK: what the
-    /// destination still lacks), then the request connection.
-    fn resume_link(&mut self, to: &Address, outstanding: &Mutex<Outstanding>) -> Result<Connections, SourceError> {
-        let options = self.options;
-        let stream = Stream::connect_with(to, Duration::from_secs(1), &options.security)?;
-        stream.set_read_timeout(Some(options.io_timeout))?;
-        let mut io = stream.try_clone()?;
-        protocol::write_preamble(&mut io, protocol::VERSION)?;
-        write_frame_flushed(&mut io, FrameKind::Resume, &Resume { session: self.session, channel: 0 }.encode())?;
-        let mut reader = BufReader::new(stream.try_clone()?);
-        protocol::read_preamble(&mut reader)?;
-        let mut frame = Vec::new();
-        let pages = memory::page_count(self.vm.memory());
-        match protocol::read_frame(&mut reader, &mut frame)? {
-            FrameKind::ResumeAck => {
-                let ack = ResumeAck::decode(&frame, pages)?;
-                let mut outstanding = outstanding.lock().unwrap();
-                outstanding.unsent = ack.missing;
-                outstanding.cursor = 0;
-                outstanding.link += 1;
-            }
-            FrameKind::Error => return Err(SourceError::Refused(ErrorMessage::decode(&frame).0)),
-            other => return Err(WireError::Unexpected { got: other, expected: "RESUME_ACK" }.into()),
-        }
-        let pacer = self.pacer.clone().expect("set at setup");
-        let writers = vec![BufWriter::with_capacity(1 << 20, Metered::new(stream, pacer))];
-        let urgent = Stream::connect_with(to, Duration::from_secs(1), &options.security).and_then(|s| {
-            let mut io = s.try_clone().map_err(|e| TransportError::Connect(to.to_string(), e))?;
-            let channel = options.channels;
-            protocol::write_preamble(&mut io, protocol::VERSION)
-                .and_then(|_| {
-                    write_frame_flushed(&mut io, FrameKind::Resume, &Resume { session: self.session, channel }.encode())
-                })
-                .map_err(|e| TransportError::Connect(to.to_string(), e))?;
-            Ok(s)
-        });
-        Ok((writers, reader, urgent.ok()))
-    }
-
-    /// The error for what the destination said or did instead of finishing.
-    fn postcopy_failure(&self, heard: Heard) -> SourceError {
-        match heard {
-            Heard::Refused(reason) => SourceError::PostcopyLost(format!("destination refused: {reason}")),
-            Heard::Lost(why) => SourceError::PostcopyLost(why),
-            Heard::Running(..) | Heard::Done(_) => {
-                SourceError::PostcopyLost("the destination spoke out of turn".into())
-            }
-        }
+/// The error for what the destination said or did instead of finishing.
+fn postcopy_failure(heard: Heard) -> SourceError {
+    match heard {
+        Heard::Refused(reason) => SourceError::PostcopyLost(format!("destination refused: {reason}")),
+        Heard::Lost(why) => SourceError::PostcopyLost(why),
+        Heard::Running(..) | Heard::Done(_) => SourceError::PostcopyLost("the destination spoke out of turn".into()),
     }
 }
 
