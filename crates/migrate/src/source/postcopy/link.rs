@@ -1,6 +1,6 @@
 //! The post-copy link: what the destination still lacks, the frames
-//! pages go out in, and the threads on the connections (channel 0's
-//! reader, the server of asked-for pages).
+//! pages go out in, and the thread on channel 0 (the reader, which also
+//! serves the asked-for pages).
 
 use std::io::{BufReader, BufWriter, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,8 +240,8 @@ pub(super) struct Counters {
 }
 
 /// The connections of the post-copy phase and the threads on them: the
-/// data channels (pushed pages), the reader of channel 0 (requests and
-/// replies) and the request server on its own connection.
+/// data channels (pushed pages), and the reader of channel 0 (requests
+/// and replies), which sends the asked-for pages on their own connection.
 pub(super) struct PostcopyLink {
     pub(super) writers: Vec<Writer>,
     pub(super) heard: Receiver<Heard>,
@@ -262,26 +262,24 @@ impl PostcopyLink {
         packing: Packing,
     ) -> PostcopyLink {
         let (heard_tx, heard) = unbounded();
-        let (requests_tx, requests) = unbounded::<Vec<u64>>();
         let pages = memory::page_count(vm.memory());
-        let reader = spawn_reader(reader, pages, heard_tx.clone(), requests_tx);
-        if let Some(stream) = urgent {
-            let link = outstanding.lock().unwrap().link;
-            let server = UrgentServer {
-                link,
+        let server = urgent.map(|stream| {
+            let mut frames = PageFrames::new();
+            frames.hash = digest.is_some();
+            frames.packer = Some(Packer::new(packing.codec, packing.bandwidth));
+            UrgentServer {
+                link: outstanding.lock().unwrap().link,
                 writer: BufWriter::with_capacity(256 << 10, stream),
+                memory: vm.memory().clone(),
+                frames,
                 outstanding: outstanding.clone(),
                 sent: counters.urgent_pages.clone(),
                 bytes: counters.urgent_bytes.clone(),
                 pacer,
                 digest: digest.clone(),
-                packing,
-            };
-            let memory = vm.memory().clone();
-            let _ = std::thread::Builder::new()
-                .name("postcopy-urgent".into())
-                .spawn(move || server.run(memory, requests, heard_tx));
-        }
+            }
+        });
+        let reader = spawn_reader(reader, pages, heard_tx, server);
         PostcopyLink { writers, heard, reader, digest }
     }
 }
@@ -291,6 +289,8 @@ struct UrgentServer {
     /// The link it serves ([`Outstanding::link`]).
     link: u64,
     writer: BufWriter<Stream>,
+    memory: Arc<GuestMemory>,
+    frames: PageFrames,
     outstanding: Arc<Mutex<Outstanding>>,
     /// Pages sent, and bytes.
     sent: Arc<AtomicU64>,
@@ -299,72 +299,62 @@ struct UrgentServer {
     pacer: Option<Arc<Pacer>>,
     /// Where the hashes of the pages it reads go.
     digest: Option<DigestFeed>,
-    packing: Packing,
 }
 
 impl UrgentServer {
-    fn run(mut self, memory: Arc<GuestMemory>, requests: Receiver<Vec<u64>>, heard: Sender<Heard>) {
-        let mut frames = PageFrames::new();
-        frames.hash = self.digest.is_some();
-        frames.packer = Some(Packer::new(self.packing.codec, self.packing.bandwidth));
-        while let Ok(mut pages) = requests.recv() {
-            // Take every request queued meanwhile: one write for all.
-            pages.extend(requests.try_iter().flatten());
-            pages.sort_unstable();
-            pages.dedup();
-            {
-                // A page the push took already is on its way, ahead of
-                // anything sent now on the same link: sending it again
-                // would only double its bytes (a guest that writes memory
-                // in order catches up with the push and faults on the
-                // pages in flight, a third of all pages for fill-random).
-                let mut outstanding = self.outstanding.lock().unwrap();
-                if outstanding.link != self.link {
-                    return;
-                }
-                pages.retain(|&p| {
-                    let unsent = outstanding.unsent.get(p);
-                    outstanding.unsent.unset(p);
-                    unsent
-                });
-                // The guest works near where it faulted: push from there.
-                if let Some(&last) = pages.last() {
-                    outstanding.cursor = last + 1;
-                }
+    /// Sends `pages` (asked for) that the push has not taken; false once
+    /// another link replaced the one it serves.
+    fn serve(&mut self, mut pages: Vec<u64>) -> Result<bool, Heard> {
+        pages.sort_unstable();
+        pages.dedup();
+        {
+            // A page the push took already is on its way, ahead of
+            // anything sent now on the same link: sending it again
+            // would only double its bytes (a guest that writes memory
+            // in order catches up with the push and faults on the
+            // pages in flight, a third of all pages for fill-random).
+            let mut outstanding = self.outstanding.lock().unwrap();
+            if outstanding.link != self.link {
+                return Ok(false);
             }
-            if pages.is_empty() {
-                continue;
-            }
-            let out = match frames.frames(&memory, &pages) {
-                Ok(out) => out,
-                Err(e) => {
-                    let _ = heard.send(Heard::Refused(e.to_string()));
-                    return;
-                }
-            };
-            if let Err(e) = self.writer.write_all(out).and_then(|_| self.writer.flush()) {
-                let _ = heard.send(Heard::Lost(format!("link lost while sending asked-for pages: {e}")));
-                return;
-            }
-            if let Some(pacer) = &self.pacer {
-                pacer.charge(out.len());
-            }
-            self.sent.fetch_add(pages.len() as u64, Ordering::Relaxed);
-            self.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-            if let Some(digest) = &self.digest {
-                frames.hand_hashes(digest, HASHES_HANDED);
+            pages.retain(|&p| {
+                let unsent = outstanding.unsent.get(p);
+                outstanding.unsent.unset(p);
+                unsent
+            });
+            // The guest works near where it faulted: push from there.
+            if let Some(&last) = pages.last() {
+                outstanding.cursor = last + 1;
             }
         }
+        if pages.is_empty() {
+            return Ok(true);
+        }
+        let out = self.frames.frames(&self.memory, &pages).map_err(|e| Heard::Refused(e.to_string()))?;
+        if let Err(e) = self.writer.write_all(out).and_then(|_| self.writer.flush()) {
+            return Err(Heard::Lost(format!("link lost while sending asked-for pages: {e}")));
+        }
+        if let Some(pacer) = &self.pacer {
+            pacer.charge(out.len());
+        }
+        self.sent.fetch_add(pages.len() as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+        if let Some(digest) = &self.digest {
+            self.frames.hand_hashes(digest, HASHES_HANDED);
+        }
+        Ok(true)
     }
 }
 
-/// Reads channel 0 from the destination: page requests go to the request
-/// server, everything else to the migration thread.
-pub(super) fn spawn_reader(
+/// Reads channel 0 from the destination: it sends the pages asked for
+/// itself (a hand-off to another thread cost a wake-up per fault), those
+/// of every request already read in one write; everything else goes to
+/// the migration thread.
+fn spawn_reader(
     mut reader: BufReader<Stream>,
     pages: u64,
     heard: Sender<Heard>,
-    requests: Sender<Vec<u64>>,
+    mut server: Option<UrgentServer>,
 ) -> std::thread::JoinHandle<()> {
     // The destination may say nothing for long while its guest does not
     // fault: only a broken connection ends the wait.
@@ -373,15 +363,26 @@ pub(super) fn spawn_reader(
         .name("postcopy-reader".into())
         .spawn(move || {
             let mut frame = Vec::new();
+            let mut asked = Vec::new();
             loop {
+                // Before waiting for more: the pages of the requests read.
+                if !asked.is_empty() && reader.buffer().is_empty() {
+                    let Some(server) = &mut server else { return };
+                    match server.serve(std::mem::take(&mut asked)) {
+                        Ok(true) => {}
+                        Ok(false) => return,
+                        Err(event) => {
+                            let _ = heard.send(event);
+                            return;
+                        }
+                    }
+                }
                 let event = match protocol::read_frame(&mut reader, &mut frame) {
                     Ok(kind) if SourceState::Postcopy.accepts(kind) || kind == FrameKind::Error => match kind {
                         FrameKind::PageRequest => match PageRequest::decode(&frame, pages) {
                             Ok(request) => {
                                 debug_assert!(request.pages.len() <= MAX_REQUEST);
-                                if requests.send(request.pages).is_err() {
-                                    return;
-                                }
+                                asked.extend(request.pages);
                                 continue;
                             }
                             Err(e) => Heard::Lost(format!("bad page request: {e}")),
