@@ -92,7 +92,7 @@ pub struct EncoderSetup<'a> {
 /// The far pages of `shard` as local indices, where a sub-page tracker
 /// would otherwise take their baseline for zeros.
 fn far_unseen(shard: u16, setup: &EncoderSetup) -> Option<DirtyBitmap> {
-    let far = setup.far_pages.filter(|_| setup.granularity.bytes < PAGE_SIZE as u32)?;
+    let far = setup.far_pages.filter(|_| !setup.granularity.whole_pages())?;
     let layout = setup.layout;
     let mut mine = DirtyBitmap::new(layout.pages_per_shard(setup.pages_total));
     for page in far.iter().filter(|&page| layout.shard(page) == shard) {
@@ -138,7 +138,7 @@ impl ShardEncoder {
             granularity: setup.granularity.bytes as usize,
             zero_records: codecs.zero,
             far_unseen: far_unseen(shard, setup),
-            subpage: (setup.granularity.bytes < PAGE_SIZE as u32).then(|| {
+            subpage: (!setup.granularity.whole_pages()).then(|| {
                 SubpageTracker::new(
                     setup.detector,
                     setup.granularity.bytes,

@@ -3,7 +3,6 @@
 //! runs (the first one perhaps watched for a hand-over to post-copy), and
 //! the stop once more with the guest paused.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tsubame_vmm::{memory, DirtyBitmap};
@@ -261,7 +260,7 @@ fn look_at_link(
     }
     let send = link.engine().work().send.wall - work_before.send.wall;
     policy.first_look(bytes, ms(elapsed), ms(send));
-    link.capacity.store(policy.codec_link_rate(options).to_bits(), Ordering::Relaxed);
+    link.set_capacity(policy.codec_link_rate(options));
 }
 
 /// What one pass of [`send_dirty`] did.

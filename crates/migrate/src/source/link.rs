@@ -4,7 +4,7 @@
 //! they share, and one rule for the link's rate ([`LinkRate`]).
 
 use std::io::{BufReader, BufWriter, Write};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -217,6 +217,12 @@ impl Link {
         };
         self.engine = Some(Engine::start(&engine_setup, &encoder_setup, writers, self.pacer.clone())?);
         Ok(())
+    }
+
+    /// Sets the link's capacity the codecs weigh their time against, bytes
+    /// per second (0: unknown).
+    pub(super) fn set_capacity(&self, bytes_per_second: f64) {
+        self.capacity.store(bytes_per_second.to_bits(), Ordering::Relaxed);
     }
 
     /// The pipeline, while it runs.

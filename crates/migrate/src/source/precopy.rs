@@ -2,8 +2,6 @@
 //! the policy says stop, or hand over to post-copy ([`super::policy`]).
 //! It ends in the phase that comes next: a [`Stop`] or a [`Postcopy`].
 
-use std::sync::atomic::Ordering;
-
 use tsubame_vmm::DirtyBitmap;
 
 use super::choices::postcopy_choice;
@@ -120,7 +118,7 @@ impl Precopy {
                 p.bandwidth = bw;
                 p.pipeline = summary;
             });
-            link.capacity.store(self.policy.codec_link_rate(options).to_bits(), Ordering::Relaxed);
+            link.set_capacity(self.policy.codec_link_rate(options));
             m.stats.per_iteration.push(it.clone());
             iteration += 1;
             if iteration == 1 {

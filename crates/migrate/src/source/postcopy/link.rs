@@ -175,6 +175,11 @@ impl PageFrames {
         }
     }
 
+    /// Frames compressed as `packing` says, while that pays.
+    pub(super) fn packed(packing: Packing) -> PageFrames {
+        PageFrames { packer: Some(Packer::new(packing.codec, packing.bandwidth)), ..PageFrames::new() }
+    }
+
     /// Hands the hashes of the pages read so far to the digest once there
     /// are at least `at_least` (each hand-over wakes the digest's thread).
     pub(super) fn hand_hashes(&mut self, digest: &DigestFeed, at_least: usize) {
@@ -269,9 +274,8 @@ impl PostcopyLink {
         let (heard_tx, heard) = unbounded();
         let pages = memory::page_count(vm.memory());
         let server = urgent.map(|stream| {
-            let mut frames = PageFrames::new();
+            let mut frames = PageFrames::packed(packing);
             frames.hash = digest.is_some();
-            frames.packer = Some(Packer::new(packing.codec, packing.bandwidth));
             UrgentServer {
                 link: outstanding.lock().unwrap().link,
                 writer: BufWriter::with_capacity(256 << 10, stream),

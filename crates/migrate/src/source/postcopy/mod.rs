@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::{memory, DirtyBitmap};
 
-use self::link::{Counters, Heard, Outstanding, Packer, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
+use self::link::{Counters, Heard, Outstanding, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
 use self::resume::reconnect;
 use super::error::SourceError;
 use super::fetch::remove_unpopulated;
@@ -234,8 +234,7 @@ impl Postcopy {
         let window = PushWindow { bandwidth: (bandwidth > 1.0 && bandwidth.is_finite()).then_some(bandwidth) };
         // The push is bulk work: the threads that serve faults go first.
         let _background = tsubame_vmm::cpu_time::lower_thread_priority();
-        let mut frames = PageFrames::new();
-        frames.packer = Some(Packer::new(packing.codec, packing.bandwidth));
+        let mut frames = PageFrames::packed(packing);
         let done = loop {
             match push_until_done(m, &mut postcopy_link, &outstanding, &mut frames, &counters, &window) {
                 Ok(done) => break done,
