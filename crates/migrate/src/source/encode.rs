@@ -6,19 +6,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
-use tsubame_codec::batch::BatchCompressor;
-use tsubame_codec::chooser::Payoff;
 use tsubame_codec::{CodecList, Encoded, PageEncoder, StatsTable};
 use tsubame_gpu::{Cuda, CudaOptions, Emulator, EncodedBatch, GpuEncoder, GpuError};
 use tsubame_vmm::{DirtyBitmap, PAGE_SIZE};
 
 use super::fetch::Batch;
+use super::pack::FramePacker;
 use crate::options::{GpuOffload, Granularity};
-use crate::protocol::pages::{
-    CompressedHeader, Encoding, PagesBuilder, PAGES_HEADER, RECORDS_PER_FRAME, RECORD_HEADER,
-};
+use crate::protocol::pages::{Encoding, PagesBuilder, PAGES_HEADER, RECORDS_PER_FRAME, RECORD_HEADER};
 use crate::protocol::{self, shard_codecs, FrameKind, ShardLayout};
 use crate::subpage::{encode_partial, saved_share, Change, Detector, SubpageStats, SubpageTracker};
 
@@ -47,12 +43,10 @@ pub struct ShardEncoder {
     sample_start: Option<(u64, u64)>,
     /// The tracker's counters once auto dropped it for whole pages.
     dropped: Option<SubpageStats>,
-    compressor: Option<BatchCompressor>,
-    payoff: Payoff,
+    packer: Option<FramePacker>,
     builder: PagesBuilder,
     codec_buf: Vec<u8>,
     subpage_buf: Vec<u8>,
-    packed: Vec<u8>,
     compressed_frame: Vec<u8>,
     bandwidth: Arc<AtomicU64>,
     bandwidth_seen: u64,
@@ -148,13 +142,11 @@ impl ShardEncoder {
             }),
             sample_start: setup.granularity.auto.then_some((0, 0)),
             dropped: None,
-            compressor: codecs.batch.map(BatchCompressor::new),
+            packer: codecs.batch.map(FramePacker::new),
             encoder: PageEncoder::new(&codecs),
-            payoff: Payoff::default(),
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
             codec_buf: Vec::with_capacity(2 * PAGE_SIZE),
             subpage_buf: Vec::with_capacity(8 + PAGE_SIZE),
-            packed: Vec::new(),
             compressed_frame: Vec::new(),
             bandwidth: setup.bandwidth.clone(),
             bandwidth_seen: 0,
@@ -356,29 +348,14 @@ impl ShardEncoder {
     /// at this bandwidth. Repair frames stay plain: they are rare.
     fn flush_frame(&mut self, repair: bool, out: &mut Vec<u8>) {
         let payload = self.builder.payload();
-        if let (Some(compressor), false) = (&mut self.compressor, repair) {
-            if self.payoff.enabled() {
-                let start = Instant::now();
-                let codec = compressor.codec();
-                compressor.compress(payload, &mut self.packed);
-                let frame = &mut self.compressed_frame;
-                frame.clear();
-                CompressedHeader { shard: self.shard, compressor: codec.id(), unpacked_len: payload.len() as u32 }
-                    .write(frame);
-                frame.extend_from_slice(&self.packed);
-                let bandwidth = f64::from_bits(self.bandwidth_seen);
-                let bandwidth = if bandwidth > 0.0 { bandwidth } else { f64::INFINITY };
-                self.payoff.record(
-                    start.elapsed().as_secs_f64(),
-                    payload.len(),
-                    frame.len().min(payload.len()),
-                    bandwidth,
-                );
-                if frame.len() < payload.len() {
-                    self.encoder.count_batch(codec.name(), payload.len(), frame.len());
-                    protocol::write_frame(out, FrameKind::PagesCompressed, frame).expect("Vec writes");
-                    return;
-                }
+        if let (Some(packer), false) = (&mut self.packer, repair) {
+            let bandwidth = f64::from_bits(self.bandwidth_seen);
+            let bandwidth = if bandwidth > 0.0 { bandwidth } else { f64::INFINITY };
+            let frame = &mut self.compressed_frame;
+            if packer.pack(self.shard, payload, bandwidth, frame) {
+                self.encoder.count_batch(packer.codec().name(), payload.len(), frame.len());
+                protocol::write_frame(out, FrameKind::PagesCompressed, frame).expect("Vec writes");
+                return;
             }
         }
         protocol::write_frame(out, FrameKind::Pages, payload).expect("Vec writes");

@@ -23,6 +23,7 @@ pub mod handover;
 mod iteration;
 mod link;
 mod migration;
+mod pack;
 pub mod policy;
 mod postcopy;
 mod precopy;

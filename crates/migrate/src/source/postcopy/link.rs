@@ -7,18 +7,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
-use tsubame_codec::batch::{BatchCodec, BatchCompressor};
-use tsubame_codec::chooser::Payoff;
+use tsubame_codec::batch::BatchCodec;
 use tsubame_codec::zero::is_zero;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
 use crate::digest::{page_hash, zero_page_hash, DigestFeed};
-use crate::protocol::pages::{CompressedHeader, Encoding, PagesBuilder, RECORDS_PER_FRAME};
+use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
     self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
 };
 use crate::source::error::SourceError;
+use crate::source::pack::FramePacker;
 use crate::source::send::Writer;
 use crate::source::vm::SourceVm;
 use crate::transport::{Pacer, Stream};
@@ -107,9 +107,8 @@ pub(super) struct Packing {
 /// pays at the link's bandwidth (a sparse guest's pages, a few words
 /// each, shrink ~40 times: less of the link for each, and for the push).
 pub(super) struct Packer {
-    compressor: BatchCompressor,
-    payoff: Payoff,
-    packed: Vec<u8>,
+    packer: FramePacker,
+    frame: Vec<u8>,
     /// Bytes per second the push goes at.
     pub(super) bandwidth: f64,
     /// Bytes compressed, and what they became.
@@ -119,46 +118,23 @@ pub(super) struct Packer {
 
 impl Packer {
     pub(super) fn new(codec: BatchCodec, bandwidth: f64) -> Packer {
-        Packer {
-            compressor: BatchCompressor::new(codec),
-            payoff: Payoff::default(),
-            packed: Vec::new(),
-            bandwidth,
-            bytes_in: 0,
-            bytes_out: 0,
-        }
+        Packer { packer: FramePacker::new(codec), frame: Vec::new(), bandwidth, bytes_in: 0, bytes_out: 0 }
     }
 
     /// The codec's name.
     pub(super) fn name(&self) -> &'static str {
-        self.compressor.codec().name()
+        self.packer.codec().name()
     }
 
     /// Appends `payload` as a compressed frame when the codec is on and
     /// the result is smaller; false when it did not.
     fn pack(&mut self, payload: &[u8], out: &mut Vec<u8>) -> bool {
-        if !self.payoff.enabled() {
-            return false;
-        }
-        // Timed on the thread's CPU clock: a frame's compression that the
-        // vCPU or a fault's thread preempted read as milliseconds on the
-        // wall clock and switched the codec off for 16 MiB (a sparse
-        // guest's push sent 192-468 MiB from run to run).
-        let start = tsubame_vmm::cpu_time::thread_cpu_time();
-        self.compressor.compress(payload, &mut self.packed);
-        let seconds = tsubame_vmm::cpu_time::thread_cpu_time().saturating_sub(start).as_secs_f64();
-        let packed = CompressedHeader::LEN + self.packed.len();
-        self.payoff.record(seconds, payload.len(), packed.min(payload.len()), self.bandwidth);
-        if packed >= payload.len() {
+        if !self.packer.pack(0, payload, self.bandwidth, &mut self.frame) {
             return false;
         }
         self.bytes_in += payload.len() as u64;
-        self.bytes_out += packed as u64;
-        let mut header = Vec::with_capacity(packed);
-        let codec = self.compressor.codec();
-        CompressedHeader { shard: 0, compressor: codec.id(), unpacked_len: payload.len() as u32 }.write(&mut header);
-        header.extend_from_slice(&self.packed);
-        protocol::write_frame(out, FrameKind::PostcopyPagesCompressed, &header).expect("Vec writes");
+        self.bytes_out += self.frame.len() as u64;
+        protocol::write_frame(out, FrameKind::PostcopyPagesCompressed, &self.frame).expect("Vec writes");
         true
     }
 }
