@@ -155,6 +155,16 @@ pub fn normal_thread_of(tid: libc::pid_t) {
     unsafe { libc::sched_setscheduler(tid, libc::SCHED_OTHER, &param) };
 }
 
+/// Lets every normal thread go first whenever thread `tid` of this
+/// process competes with one (nice 10), for good: as
+/// [`lower_thread_priority`], for a thread busy with long work that cannot
+/// look at a request to lower itself. Threads it starts later inherit it.
+pub fn lower_priority_of(tid: libc::pid_t) {
+    // SAFETY: setpriority takes plain integers; `tid` names a thread of
+    // this process.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10) };
+}
+
 /// This thread's kernel id.
 pub fn current_thread_id() -> libc::pid_t {
     thread_id() as libc::pid_t

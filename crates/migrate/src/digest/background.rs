@@ -1,5 +1,6 @@
 //! The digest kept in a thread of its own while a migration runs.
 
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
@@ -18,7 +19,19 @@ pub struct BackgroundDigest {
     thread: Option<std::thread::JoinHandle<()>>,
     /// Pages handed over and not hashed yet (an upper bound: a page marked
     /// twice before its hash counts twice).
-    backlog: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    backlog: Arc<AtomicU64>,
+    /// Whether it should let normal threads go first, and its thread's id.
+    yielding: Arc<Yielding>,
+}
+
+/// [`BackgroundDigest::run_in_background`]'s request, which the thread
+/// takes up as it starts, or its caller through the thread's id: one of
+/// them sees the other's write.
+#[derive(Default)]
+struct Yielding {
+    asked: AtomicBool,
+    /// The thread's kernel id once it runs (0 before).
+    tid: AtomicI32,
 }
 
 enum Request {
@@ -59,14 +72,20 @@ impl BackgroundDigest {
     /// `from`: None for fresh memory, else the far map (if any) of memory
     /// to hash as it is.
     fn spawn(mem: Arc<GuestMemory>, region: u32, from: Option<Option<Arc<FarPageHashes>>>) -> BackgroundDigest {
-        use std::sync::atomic::Ordering;
         let (requests, rx) = crossbeam_channel::unbounded::<Request>();
         let stale = if from.is_some() { memory::page_count(&mem) } else { 0 };
-        let backlog = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(stale));
+        let backlog = Arc::new(AtomicU64::new(stale));
         let thread_backlog = backlog.clone();
+        let yielding = Arc::new(Yielding::default());
+        let thread_yielding = yielding.clone();
         let thread = std::thread::Builder::new()
             .name("digest".into())
             .spawn(move || {
+                let tid = tsubame_vmm::cpu_time::current_thread_id();
+                thread_yielding.tid.store(tid, Ordering::SeqCst);
+                if thread_yielding.asked.load(Ordering::SeqCst) {
+                    tsubame_vmm::cpu_time::lower_priority_of(tid);
+                }
                 let mut digest = match from {
                     Some(far) => IncrementalDigest::new(&mem, region, far),
                     None => IncrementalDigest::zeros(&mem, region),
@@ -155,7 +174,7 @@ impl BackgroundDigest {
                 }
             })
             .expect("spawn digest thread");
-        BackgroundDigest { region, requests, thread: Some(thread), backlog }
+        BackgroundDigest { region, requests, thread: Some(thread), backlog, yielding }
     }
 
     /// Lets its thread (and the threads it starts) run only on `cpus`.
@@ -163,6 +182,21 @@ impl BackgroundDigest {
         use std::os::unix::thread::JoinHandleExt;
         if let Some(thread) = &self.thread {
             tsubame_vmm::cpu_time::set_thread_cpus(thread.as_pthread_t(), cpus);
+        }
+    }
+
+    /// Lets every normal thread go first from now on (nice 10, also for
+    /// the threads its hashing starts), even in the middle of a hash of
+    /// all memory: post-copy's, where the guest runs at the destination
+    /// and waits on pages that the push (nice 10 itself) and the
+    /// destination's installs deliver. At normal priority its hashing held
+    /// them back 20-35 ms at a time while a bwmem guest waited on a fault
+    /// (perf sched_switch, 2026-11-29).
+    pub fn run_in_background(&self) {
+        self.yielding.asked.store(true, Ordering::SeqCst);
+        let tid = self.yielding.tid.load(Ordering::SeqCst);
+        if tid > 0 {
+            tsubame_vmm::cpu_time::lower_priority_of(tid);
         }
     }
 
@@ -183,7 +217,7 @@ impl BackgroundDigest {
         if let Some(zeros) = &zeros {
             pages.subtract(zeros);
         }
-        self.backlog.fetch_add(pages.count(), std::sync::atomic::Ordering::Relaxed);
+        self.backlog.fetch_add(pages.count(), Ordering::Relaxed);
         let _ = self.requests.send(Request::Mark(pages, zeros));
     }
 
@@ -191,7 +225,7 @@ impl BackgroundDigest {
     /// all memory would cost more than the pages.
     pub fn mark_pages(&self, pages: Vec<u64>) {
         if !pages.is_empty() {
-            self.backlog.fetch_add(pages.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.backlog.fetch_add(pages.len() as u64, Ordering::Relaxed);
             let _ = self.requests.send(Request::MarkPages(pages));
         }
     }
@@ -213,7 +247,7 @@ impl BackgroundDigest {
 
     /// Pages handed over and not hashed yet (at most).
     pub fn backlog_pages(&self) -> u64 {
-        self.backlog.load(std::sync::atomic::Ordering::Relaxed)
+        self.backlog.load(Ordering::Relaxed)
     }
 
     /// The digest with every marked page hashed.

@@ -154,21 +154,21 @@ impl Postcopy {
 
         // Every page that may differ from its last hash: those to send
         // are hashed by the senders as they read them (this memory no
-        // longer changes), not read again by the digest. Without pre-copy
-        // the digest hashes every page itself, once the destination runs.
-        let feed = match (&m.digest, last_iteration) {
-            (Some(digest), Some(_)) => {
-                digest.await_hashes(missing.clone());
-                // Pages awaited since the hand-over that go nowhere (never
-                // populated here, or far) are hashed from memory now,
-                // beside the push: at the end, after the last page, 280
-                // thousand of a 4 GiB fill-random guest's took 12.6 ms.
-                let mut not_sent = handed_over;
-                not_sent.subtract(&missing);
-                digest.mark(not_sent);
-                Some(digest.feed())
-            }
-            _ => None,
+        // longer changes), not read again by the digest. (Without pre-copy
+        // the digest read every page itself once the destination ran, at
+        // normal priority beside the push: a bwmem guest's faults waited
+        // 20-50 ms on it.)
+        let feed = {
+            let digest = m.digest();
+            digest.await_hashes(missing.clone());
+            // Pages awaited since the hand-over that go nowhere (never
+            // populated here, or far) are hashed from memory now,
+            // beside the push: at the end, after the last page, 280
+            // thousand of a 4 GiB fill-random guest's took 12.6 ms.
+            let mut not_sent = handed_over;
+            not_sent.subtract(&missing);
+            digest.mark(not_sent);
+            Some(digest.feed())
         };
         // Asked-for pages and the push are compressed while that pays at
         // the link's rate (pages a guest wrote a few words of shrink a
@@ -219,6 +219,7 @@ impl Postcopy {
         if postcopy_link.digest.is_none() {
             m.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
         }
+        m.digest().run_in_background();
 
         // Push the rest at the link's rate, paced only by the user's cap
         // (asked-for pages count against it too), with a short queue: each
