@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tsubame_codec::batch::BatchCodec;
-use tsubame_vmm::{memory, DirtyBitmap};
+use tsubame_vmm::{memory, DirtyBitmap, PAGE_SIZE};
 
 use self::link::{Counters, Heard, Outstanding, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
 use self::resume::reconnect;
@@ -35,6 +35,10 @@ use crate::transport::Stream;
 /// Pages one background push takes at a time: small, so an asked-for page
 /// never waits long for the pusher to look at the requests.
 const PUSH_PAGES: usize = 64;
+
+/// The push shrinks pages at least this many times on the wire: then an
+/// asked-for page it took goes again all the same.
+const SHRINKS: u64 = 4;
 
 /// How much of the link's time the push may keep queued in it: an
 /// asked-for page (on its own connection through the same link) waits
@@ -383,6 +387,8 @@ fn push_until_done(
     frames.hash = link.digest.is_some();
     let mut next = 0usize;
     let mut contention = Contention::over(&link.writers);
+    // Pages' bytes pushed, and their bytes on the wire.
+    let mut shrink = (0u64, 0u64);
     loop {
         match link.heard.try_recv() {
             // A destination that had every page before a cut says so
@@ -397,6 +403,9 @@ fn push_until_done(
         }
         counters.pushed.fetch_add(batch.len() as u64, Ordering::Relaxed);
         let bytes = frames.frames(vm.memory(), &batch).map_err(|e| Heard::Refused(e.to_string()))?;
+        shrink.0 += (batch.len() * PAGE_SIZE) as u64;
+        shrink.1 += bytes.len() as u64;
+        counters.push_shrinks.store(shrink.1 * SHRINKS <= shrink.0, Ordering::Relaxed);
         let channels = link.writers.len();
         // Straight on to the socket: an asked-for page the push took
         // is not sent again, so it must not wait in a buffer. (Past
