@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tsubame_migrate::protocol::{
-    self as wire, pages, ChannelOpen, Digest, DigestUpdate, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyRunning,
+    self as wire, pages, ChannelOpen, Digest, DigestUpdate, IterationEnd, Mismatch, PageRequest, PostcopyDone, PostcopyInstalled, PostcopyRunning,
     PostcopyStart, Resume, ResumeAck, Resumed,
 };
 
@@ -34,6 +34,7 @@ fuzz_target!(|data: &[u8]| {
         wire::FrameKind::Resumed,
         wire::FrameKind::Postcopy,
         wire::FrameKind::PostcopyRunning,
+        wire::FrameKind::PostcopyInstalled,
         wire::FrameKind::PageRequest,
         wire::FrameKind::PostcopyPages,
         wire::FrameKind::PostcopyDone,
@@ -84,6 +85,9 @@ fn parse(kind: wire::FrameKind, payload: &[u8]) {
         }
         wire::FrameKind::Postcopy | wire::FrameKind::PostcopyPrepare => {
             let _ = PostcopyStart::decode(payload, PAGES);
+        }
+        wire::FrameKind::PostcopyInstalled => {
+            let _ = PostcopyInstalled::decode(payload);
         }
         wire::FrameKind::PostcopyRunning => {
             let _ = PostcopyRunning::decode(payload);

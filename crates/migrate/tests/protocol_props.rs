@@ -7,7 +7,8 @@ use tsubame_migrate::protocol::pages::{
 };
 use tsubame_migrate::protocol::{
     self, ChannelOpen, Digest, DigestUpdate, ErrorMessage, FrameKind, Hello, IterationEnd, Mismatch, PageRequest,
-    PostcopyDone, PostcopyRunning, PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY, MAX_CHANNELS, MAX_SHARDS,
+    PostcopyDone, PostcopyInstalled, PostcopyRunning, PostcopyStart, Resume, ResumeAck, Resumed, HELLO_POSTCOPY,
+    MAX_CHANNELS, MAX_SHARDS,
 };
 
 fn hello() -> impl Strategy<Value = Hello> {
@@ -75,6 +76,8 @@ proptest! {
         prop_assert_eq!(PageRequest::decode(&request.encode(), pages).unwrap(), request);
         let running = PostcopyRunning { cpu_micros: n };
         prop_assert_eq!(PostcopyRunning::decode(&running.encode()).unwrap(), running);
+        let installed = PostcopyInstalled { pages: n };
+        prop_assert_eq!(PostcopyInstalled::decode(&installed.encode()).unwrap(), installed);
         let done = PostcopyDone {
             mismatched: x, faults: n, requested: n / 2, latency_p50_us: n % 1000, latency_p99_us: n % 7,
             latency_max_us: n, cpu_micros: n / 3, guest_ops_per_sec: x as f64 * 1.5,

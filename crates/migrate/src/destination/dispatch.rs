@@ -227,8 +227,7 @@ pub(super) fn channel_loop(stream: Stream, dispatch: Dispatcher, bytes: Arc<Atom
                 // Pushed pages are bulk work: the fault's threads go first.
                 background.get_or_insert_with(tsubame_vmm::cpu_time::lower_thread_priority);
                 match shared.postcopy.get() {
-                    Some(postcopy) if kind == FrameKind::PostcopyPages => postcopy.install_frame(&frame.buf),
-                    Some(postcopy) => postcopy.install_compressed(&frame.buf, &mut unpacker),
+                    Some(postcopy) => postcopy.install_pushed(kind, &frame.buf, &mut unpacker),
                     None => Err(WireError::Unexpected { got: kind, expected: "PAGES" }.into()),
                 }
             }

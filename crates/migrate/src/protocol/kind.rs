@@ -15,8 +15,8 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// pages while the guest still runs at the source; and
 /// POSTCOPY_PAGES_COMPRESSED; 7 DIGEST before the pause and
 /// DIGEST_UPDATE after it; 8 the raw run; 9 POSTCOPY_PAGES_COMPRESSED on
-/// the request connection too).
-pub const VERSION: u32 = 9;
+/// the request connection too; 10 POSTCOPY_INSTALLED).
+pub const VERSION: u32 = 10;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -98,6 +98,9 @@ pub enum FrameKind {
     /// The regions whose hashes changed since a DIGEST sent before the
     /// pause: with it, the destination's expected digest.
     DigestUpdate = 30,
+    /// How many pages of the push the destination took in so far: the
+    /// source keeps the push's lead over the installs short.
+    PostcopyInstalled = 31,
 }
 
 impl FrameKind {
@@ -135,6 +138,7 @@ impl FrameKind {
             28 => PostcopyPrepared,
             29 => PostcopyPagesCompressed,
             30 => DigestUpdate,
+            31 => PostcopyInstalled,
             _ => return None,
         })
     }

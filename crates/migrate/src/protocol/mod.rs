@@ -51,6 +51,8 @@ pub use messages::{
     ChannelOpen, Digest, DigestUpdate, ErrorMessage, Hello, IterationEnd, Mismatch, Resumed, HELLO_FAR_MEMORY,
     HELLO_POSTCOPY,
 };
-pub use postcopy::{PageRequest, PostcopyDone, PostcopyRunning, PostcopyStart, Resume, ResumeAck, MAX_REQUEST};
+pub use postcopy::{
+    PageRequest, PostcopyDone, PostcopyInstalled, PostcopyRunning, PostcopyStart, Resume, ResumeAck, MAX_REQUEST,
+};
 pub use shard::{shard_codecs, ShardLayout};
 pub use state::{ReceiverState, SourceState};

@@ -190,6 +190,29 @@ impl PostcopyRunning {
     }
 }
 
+/// POSTCOPY_INSTALLED: pages of the push's frames the destination took in
+/// (installed, or held already), counted since the phase began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PostcopyInstalled {
+    /// Pages, all links together.
+    pub pages: u64,
+}
+
+impl PostcopyInstalled {
+    /// Serializes the payload: `pages u64`.
+    pub fn encode(&self) -> [u8; 8] {
+        self.pages.to_le_bytes()
+    }
+
+    /// Parses the payload.
+    pub fn decode(payload: &[u8]) -> Result<PostcopyInstalled, WireError> {
+        let mut f = Fields::new(FrameKind::PostcopyInstalled, payload);
+        let installed = PostcopyInstalled { pages: f.u64()? };
+        f.finish()?;
+        Ok(installed)
+    }
+}
+
 /// POSTCOPY_DONE: the destination holds every page; how its memory as
 /// received compared with the source's digest, and what faults cost.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -82,7 +82,7 @@ impl SourceState {
                 | (SourceState::PostcopyPrepare, PostcopyPrepared)
                 | (SourceState::StopAndCopy, Ready | Mismatch)
                 | (SourceState::Committing, Resumed)
-                | (SourceState::Postcopy, PostcopyRunning | PageRequest | PostcopyDone)
+                | (SourceState::Postcopy, PostcopyRunning | PageRequest | PostcopyInstalled | PostcopyDone)
                 | (SourceState::PostcopyPaused, ResumeAck)
         )
     }
@@ -94,7 +94,7 @@ impl SourceState {
             SourceState::PostcopyPrepare => "POSTCOPY_PREPARED",
             SourceState::StopAndCopy => "READY or MISMATCH",
             SourceState::Committing => "RESUMED",
-            SourceState::Postcopy => "POSTCOPY_RUNNING, PAGE_REQUEST or POSTCOPY_DONE",
+            SourceState::Postcopy => "POSTCOPY_RUNNING, PAGE_REQUEST, POSTCOPY_INSTALLED or POSTCOPY_DONE",
             SourceState::PostcopyPaused => "RESUME_ACK",
             _ => "nothing from the destination",
         }
@@ -204,7 +204,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 28] = [
+    const ALL: [FrameKind; 29] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -233,6 +233,7 @@ mod tests {
         FrameKind::PostcopyPrepared,
         FrameKind::PostcopyPagesCompressed,
         FrameKind::DigestUpdate,
+        FrameKind::PostcopyInstalled,
     ];
 
     #[test]
@@ -257,6 +258,8 @@ mod tests {
         assert!(SourceState::Setup.accepts(FrameKind::Accept));
         assert!(!SourceState::Iterating.accepts(FrameKind::Ready));
         assert!(SourceState::StopAndCopy.accepts(FrameKind::Mismatch));
+        assert!(SourceState::Postcopy.accepts(FrameKind::PostcopyInstalled));
+        assert!(!ReceiverState::Postcopy.accepts(FrameKind::PostcopyInstalled));
         assert!(SourceState::Committing.check(FrameKind::Ready).is_err());
         assert!(ALL.iter().all(|&k| k != FrameKind::Error || SourceState::Completed.accepts(k)));
     }

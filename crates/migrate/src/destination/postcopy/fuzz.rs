@@ -106,8 +106,10 @@ pub fn feed(data: &[u8]) -> Result<Fed, ReceiveError> {
                 fed.resume = Some("urgent");
                 while let Ok(kind) = protocol::read_frame(&mut peer, &mut frame) {
                     let installed = match kind {
-                        FrameKind::PostcopyPages => shared.install_frame(&frame),
-                        FrameKind::PostcopyPagesCompressed => shared.install_compressed(&frame, &mut unpacker),
+                        FrameKind::PostcopyPages => shared.install_frame(&frame).map(drop),
+                        FrameKind::PostcopyPagesCompressed => {
+                            shared.install_compressed(&frame, &mut unpacker).map(drop)
+                        }
                         _ => break,
                     };
                     if let Err(e) = installed {

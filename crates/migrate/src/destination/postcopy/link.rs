@@ -172,7 +172,7 @@ pub(super) fn spawn_urgent(shared: Arc<PostcopyShared>, stream: Stream) {
                 Ok(FrameKind::PostcopyPagesCompressed) => shared.install_compressed(&frame, &mut unpacker),
                 Ok(other) => {
                     shared.fail(format!("request connection: unexpected {other:?}"));
-                    Ok(())
+                    Ok(0)
                 }
                 // The source closes it when done; channel 0 tells a cut.
                 Err(_) => return,

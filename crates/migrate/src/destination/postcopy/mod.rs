@@ -149,8 +149,9 @@ pub(super) fn on_frame(
     }
     ReceiverState::Postcopy.check(kind).map_err(|e| e.to_string())?;
     match kind {
-        FrameKind::PostcopyPages => shared.install_frame(frame).map_err(|e| e.to_string())?,
-        FrameKind::PostcopyPagesCompressed => shared.install_compressed(frame, unpacker).map_err(|e| e.to_string())?,
+        FrameKind::PostcopyPages | FrameKind::PostcopyPagesCompressed => {
+            shared.install_pushed(kind, frame, unpacker).map_err(|e| e.to_string())?
+        }
         _ => {
             let regions = (shared.pages * PAGE_SIZE as u64).div_ceil(region as u64) as usize;
             return Ok(Some(Digest::decode(frame, region, regions).map_err(|e| e.to_string())?));

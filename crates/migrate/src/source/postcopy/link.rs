@@ -15,7 +15,8 @@ use crate::digest::{page_hash, zero_page_hash, DigestFeed};
 use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
-    self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyRunning, SourceState, WireError,
+    self, ErrorMessage, FrameKind, PageRequest, PostcopyDone, PostcopyInstalled, PostcopyRunning, SourceState,
+    WireError,
 };
 use crate::source::error::SourceError;
 use crate::source::pack::FramePacker;
@@ -223,9 +224,12 @@ pub(super) struct Counters {
     pub(super) pushed: AtomicU64,
     pub(super) urgent_pages: Arc<AtomicU64>,
     pub(super) urgent_bytes: Arc<AtomicU64>,
-    /// The push's pages shrink to a quarter or less on the wire: a page it
+    /// The push's codec shrinks its frames to a quarter or less: a page it
     /// took and that is asked for goes again ([`UrgentServer::serve`]).
     pub(super) push_shrinks: Arc<AtomicBool>,
+    /// Pages of the push the destination took in, as it last said
+    /// (POSTCOPY_INSTALLED).
+    pub(super) installed: Arc<AtomicU64>,
 }
 
 /// The connections of the post-copy phase and the threads on them: the
@@ -268,7 +272,7 @@ impl PostcopyLink {
                 digest: digest.clone(),
             }
         });
-        let reader = spawn_reader(reader, pages, heard_tx, server);
+        let reader = spawn_reader(reader, pages, heard_tx, server, counters.installed.clone());
         PostcopyLink { writers, heard, reader, digest }
     }
 }
@@ -352,6 +356,7 @@ fn spawn_reader(
     pages: u64,
     heard: Sender<Heard>,
     mut server: Option<UrgentServer>,
+    installed: Arc<AtomicU64>,
 ) -> std::thread::JoinHandle<()> {
     // The destination may say nothing for long while its guest does not
     // fault: only a broken connection ends the wait.
@@ -383,6 +388,14 @@ fn spawn_reader(
                                 continue;
                             }
                             Err(e) => Heard::Lost(format!("bad page request: {e}")),
+                        },
+                        FrameKind::PostcopyInstalled => match PostcopyInstalled::decode(&frame) {
+                            Ok(report) => {
+                                // Reports from threads of its own may pass each other.
+                                installed.fetch_max(report.pages, Ordering::Relaxed);
+                                continue;
+                            }
+                            Err(e) => Heard::Lost(format!("bad installed count: {e}")),
                         },
                         FrameKind::PostcopyRunning => match PostcopyRunning::decode(&frame) {
                             Ok(running) => Heard::Running(running, std::time::Instant::now()),
