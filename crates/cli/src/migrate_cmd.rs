@@ -423,7 +423,7 @@ pub fn print_summary(stats: &MigrationStats) {
     }
     if let Some(p) = &stats.postcopy {
         println!(
-            "  post-copy:   from {:.0} ms for {:.0} ms: {} pages missing, {} asked for ({} faults, service p50 {} µs, p99 {} µs, max {} µs), {} pushed{}",
+            "  post-copy:   from {:.0} ms for {:.0} ms: {} pages missing, {} asked for ({} faults, service p50 {} µs, p99 {} µs, max {} µs), {} pushed{}{}",
             p.started_at_ms,
             p.duration_ms,
             p.pages_missing,
@@ -433,6 +433,7 @@ pub fn print_summary(stats: &MigrationStats) {
             p.fault_latency_p99_us,
             p.fault_latency_max_us,
             p.pages_pushed,
+            if p.pages_sent_again > 0 { format!(" ({} of them sent again on request)", p.pages_sent_again) } else { String::new() },
             if p.guest_ops_per_sec > 0.0 { format!("; guest {:.0} ops/s meanwhile", p.guest_ops_per_sec) } else { String::new() }
         );
     }

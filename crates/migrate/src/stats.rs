@@ -143,6 +143,9 @@ pub struct PostcopyStats {
     /// Pages sent because they were asked for (first, on their own
     /// connection).
     pub pages_sent_on_request: u64,
+    /// Of those, pages the push had sent already: sent again while the
+    /// push compresses well, as one queues behind many of its pages.
+    pub pages_sent_again: u64,
     /// Pages pushed in the background.
     pub pages_pushed: u64,
     /// Of the pushed, zero records.

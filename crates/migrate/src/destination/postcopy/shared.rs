@@ -36,8 +36,7 @@ pub(crate) fn write_flushed(
     Ok(())
 }
 
-/// The destination tells the source how many pushed pages it took in each
-/// time this many more came (one small write per 512 KiB of pages).
+/// Pushed pages taken in between two POSTCOPY_INSTALLED (512 KiB).
 const REPORT_EVERY: u64 = 128;
 
 /// A fault this few pages past the last page installed is taken to be on
@@ -210,26 +209,19 @@ impl PostcopyShared {
         self.install_frame(&unpacker.buf)
     }
 
-    /// Installs a frame of the push (POSTCOPY_PAGES or its compressed
-    /// form) and tells the source, every [`REPORT_EVERY`] pages, how many
-    /// it took in: the source keeps its push that close ahead, so a page
-    /// the guest waits for never queues behind much of it.
-    pub(crate) fn install_pushed(
-        &self,
-        kind: FrameKind,
-        payload: &[u8],
-        unpacker: &mut Unpacker,
-    ) -> Result<(), ReceiveError> {
+    /// Installs a frame of the push (plain or compressed) and tells the
+    /// source every [`REPORT_EVERY`] pages how many it took in, which it
+    /// keeps its push close to.
+    pub(crate) fn install_pushed(&self, kind: FrameKind, frame: &[u8], un: &mut Unpacker) -> Result<(), ReceiveError> {
         let pages = match kind {
-            FrameKind::PostcopyPagesCompressed => self.install_compressed(payload, unpacker)?,
-            _ => self.install_frame(payload)?,
+            FrameKind::PostcopyPagesCompressed => self.install_compressed(frame, un)?,
+            _ => self.install_frame(frame)?,
         };
         let before = self.pushed_in.fetch_add(pages, Ordering::Relaxed);
         if (before + pages) / REPORT_EVERY != before / REPORT_EVERY {
-            // The fault thread asks for pages through the same lock: this
-            // thread (nice 10) must not be preempted while it holds it
-            // (a kv guest's faults at 10 Gbit/s waited, its stall 17 →
-            // 25 ms). Best effort: a cut link shows on channel 0's reader.
+            // The fault thread asks through the same lock: this thread
+            // (nice 10) must not be preempted holding it. Best effort: a
+            // cut link shows on channel 0's reader.
             let _first = tsubame_vmm::cpu_time::realtime_thread();
             let installed = PostcopyInstalled { pages: before + pages }.encode();
             let _ = write_flushed(&self.back, |w| protocol::write_frame(w, FrameKind::PostcopyInstalled, &installed));
@@ -239,8 +231,8 @@ impl PostcopyShared {
 
     /// Installs the pages of a POSTCOPY_PAGES frame (raw, raw-run and
     /// zero records). Pages may come twice (asked for and pushed); once
-    /// every page is here the rest are duplicates and are dropped.
-    /// Returns the pages the frame carried.
+    /// every page is here the rest are duplicates and are dropped. Returns
+    /// the pages the frame carried.
     pub(crate) fn install_frame(&self, payload: &[u8]) -> Result<u64, ReceiveError> {
         // Neighbouring zero records go in as one run.
         let mut zeros: Option<(u64, u64)> = None;

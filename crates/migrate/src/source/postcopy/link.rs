@@ -224,6 +224,8 @@ pub(super) struct Counters {
     pub(super) pushed: AtomicU64,
     pub(super) urgent_pages: Arc<AtomicU64>,
     pub(super) urgent_bytes: Arc<AtomicU64>,
+    /// Of the asked-for pages sent, those the push had taken.
+    pub(super) urgent_again: Arc<AtomicU64>,
     /// The push's codec shrinks its frames to a quarter or less: a page it
     /// took and that is asked for goes again ([`UrgentServer::serve`]).
     pub(super) push_shrinks: Arc<AtomicBool>,
@@ -267,6 +269,7 @@ impl PostcopyLink {
                 outstanding: outstanding.clone(),
                 sent: counters.urgent_pages.clone(),
                 bytes: counters.urgent_bytes.clone(),
+                again: counters.urgent_again.clone(),
                 push_shrinks: counters.push_shrinks.clone(),
                 pacer,
                 digest: digest.clone(),
@@ -288,6 +291,7 @@ struct UrgentServer {
     /// Pages sent, and bytes.
     sent: Arc<AtomicU64>,
     bytes: Arc<AtomicU64>,
+    again: Arc<AtomicU64>,
     /// See [`Counters::push_shrinks`].
     push_shrinks: Arc<AtomicBool>,
     /// The push's pacer: asked-for pages share the link with it.
@@ -318,11 +322,14 @@ impl UrgentServer {
             if outstanding.link != self.link {
                 return Ok(false);
             }
+            let mut again = 0;
             pages.retain(|&p| {
                 let unsent = outstanding.unsent.get(p);
                 outstanding.unsent.unset(p);
+                again += u64::from(!unsent && resend);
                 unsent || resend
             });
+            self.again.fetch_add(again, Ordering::Relaxed);
             // The guest works near where it faulted: push from there.
             if let Some(&last) = pages.last() {
                 outstanding.cursor = last + 1;

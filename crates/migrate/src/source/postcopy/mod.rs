@@ -271,6 +271,7 @@ impl Postcopy {
         stats.duration_ms = ms(m.start.elapsed()) - started_ms;
         stats.pages_pushed = counters.pushed.load(Ordering::Relaxed);
         stats.pages_sent_on_request = counters.urgent_pages.load(Ordering::Relaxed);
+        stats.pages_sent_again = counters.urgent_again.load(Ordering::Relaxed);
         stats.pages_zero = frames.zero;
         if let Some(packer) = frames.packer.as_ref().filter(|p| p.bytes_in > 0) {
             let codec = m.stats.codec.entry(format!("{} (post-copy)", packer.name())).or_default();
