@@ -60,6 +60,14 @@ impl<'a> Fields<'a> {
         self.bytes
     }
 
+    /// The one u64 of a `kind` payload that holds nothing else.
+    pub fn only_u64(kind: FrameKind, bytes: &'a [u8]) -> Result<u64, WireError> {
+        let mut f = Fields::new(kind, bytes);
+        let value = f.u64()?;
+        f.finish()?;
+        Ok(value)
+    }
+
     /// Fails unless every byte was consumed.
     pub fn finish(self) -> Result<(), WireError> {
         if self.bytes.is_empty() {

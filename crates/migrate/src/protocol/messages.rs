@@ -200,10 +200,7 @@ impl Resumed {
 
     /// Parses the payload.
     pub fn decode(payload: &[u8]) -> Result<Resumed, WireError> {
-        let mut f = Fields::new(FrameKind::Resumed, payload);
-        let resumed = Resumed { cpu_micros: f.u64()? };
-        f.finish()?;
-        Ok(resumed)
+        Ok(Resumed { cpu_micros: Fields::only_u64(FrameKind::Resumed, payload)? })
     }
 }
 

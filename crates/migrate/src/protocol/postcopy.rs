@@ -183,10 +183,7 @@ impl PostcopyRunning {
 
     /// Parses the payload.
     pub fn decode(payload: &[u8]) -> Result<PostcopyRunning, WireError> {
-        let mut f = Fields::new(FrameKind::PostcopyRunning, payload);
-        let running = PostcopyRunning { cpu_micros: f.u64()? };
-        f.finish()?;
-        Ok(running)
+        Ok(PostcopyRunning { cpu_micros: Fields::only_u64(FrameKind::PostcopyRunning, payload)? })
     }
 }
 
@@ -206,10 +203,7 @@ impl PostcopyInstalled {
 
     /// Parses the payload.
     pub fn decode(payload: &[u8]) -> Result<PostcopyInstalled, WireError> {
-        let mut f = Fields::new(FrameKind::PostcopyInstalled, payload);
-        let installed = PostcopyInstalled { pages: f.u64()? };
-        f.finish()?;
-        Ok(installed)
+        Ok(PostcopyInstalled { pages: Fields::only_u64(FrameKind::PostcopyInstalled, payload)? })
     }
 }
 

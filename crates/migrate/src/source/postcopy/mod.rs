@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tsubame_codec::batch::BatchCodec;
-use tsubame_vmm::{memory, DirtyBitmap};
+use tsubame_vmm::DirtyBitmap;
 
 use self::link::{Counters, Heard, Outstanding, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
 use self::resume::reconnect;
@@ -232,9 +232,6 @@ impl Postcopy {
         // The destination runs the VM: this copy is stale from now on.
         m.stats.postcopy.as_mut().expect("set at the switch").switch_confirmed = true;
         drop(realtime);
-        if postcopy_link.digest.is_none() {
-            m.refresh_digest(&DirtyBitmap::full(memory::page_count(vm.memory())), None);
-        }
         m.digest().run_in_background();
 
         // Push the rest at the link's rate, paced only by the user's cap
