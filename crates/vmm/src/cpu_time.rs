@@ -55,12 +55,11 @@ pub fn thread_cpu_time() -> std::time::Duration {
 /// leaves the thread as it was.
 pub fn lower_thread_priority() -> LoweredPriority {
     let tid = thread_id();
-    // SAFETY: getpriority and setpriority take and return plain integers;
-    // the target is this thread. (-1 is also a valid nice value: errno is
-    // not checked, the restore is best effort too.)
+    // SAFETY: getpriority takes and returns plain integers; the target is
+    // this thread. (-1 is also a valid nice value: errno is not checked,
+    // the restore is best effort too.)
     let before = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
-    // SAFETY: as above.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 10) };
+    lower_priority_of(tid as libc::pid_t);
     LoweredPriority { before, _this_thread: std::marker::PhantomData }
 }
 
@@ -72,7 +71,7 @@ pub struct LoweredPriority {
 
 impl Drop for LoweredPriority {
     fn drop(&mut self) {
-        // SAFETY: as in lower_thread_priority.
+        // SAFETY: as in lower_priority_of (this thread).
         unsafe { libc::setpriority(libc::PRIO_PROCESS, thread_id(), self.before) };
     }
 }
