@@ -505,6 +505,7 @@ impl<'a> StreamReceiver<'a> {
                     self.quick.get_or_insert_with(tsubame_vmm::cpu_time::quick_wakeups);
                     let threads = session.readers.iter().chain(&session.workers);
                     self.apart = self.apart.take().or_else(|| Apart::start(threads, digest, landing));
+                    shared.catch_up(last_iteration, digest, writer).map_err(with_failure)?;
                 }
                 FrameKind::WarmBlocks | FrameKind::DiskWritten | FrameKind::WarmData if !self.opens_storage => {}
                 FrameKind::WarmData => {

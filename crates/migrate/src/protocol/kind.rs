@@ -15,8 +15,8 @@ pub const SECURE_MAGIC: [u8; 8] = *b"TSBSEC1\0";
 /// pages while the guest still runs at the source; and
 /// POSTCOPY_PAGES_COMPRESSED; 7 DIGEST before the pause and
 /// DIGEST_UPDATE after it; 8 the raw run; 9 POSTCOPY_PAGES_COMPRESSED on
-/// the request connection too; 10 POSTCOPY_INSTALLED).
-pub const VERSION: u32 = 10;
+/// the request connection too; 10 POSTCOPY_INSTALLED; 11 CAUGHT_UP).
+pub const VERSION: u32 = 11;
 /// Largest frame payload accepted.
 pub const MAX_PAYLOAD: usize = 16 << 20;
 
@@ -101,6 +101,9 @@ pub enum FrameKind {
     /// How many pages of the push the destination took in so far: the
     /// source keeps the push's lead over the installs short.
     PostcopyInstalled = 31,
+    /// In reply to a DIGEST sent before the pause: every page sent before
+    /// it is written and hashed.
+    CaughtUp = 32,
 }
 
 impl FrameKind {
@@ -139,6 +142,7 @@ impl FrameKind {
             29 => PostcopyPagesCompressed,
             30 => DigestUpdate,
             31 => PostcopyInstalled,
+            32 => CaughtUp,
             _ => return None,
         })
     }

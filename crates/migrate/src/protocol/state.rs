@@ -79,6 +79,7 @@ impl SourceState {
             (self, kind),
             (_, Error)
                 | (SourceState::Setup, Accept)
+                | (SourceState::Iterating, CaughtUp)
                 | (SourceState::PostcopyPrepare, PostcopyPrepared)
                 | (SourceState::StopAndCopy, Ready | Mismatch)
                 | (SourceState::Committing, Resumed)
@@ -91,6 +92,7 @@ impl SourceState {
     pub fn expects(self) -> &'static str {
         match self {
             SourceState::Setup => "ACCEPT",
+            SourceState::Iterating => "CAUGHT_UP",
             SourceState::PostcopyPrepare => "POSTCOPY_PREPARED",
             SourceState::StopAndCopy => "READY or MISMATCH",
             SourceState::Committing => "RESUMED",
@@ -204,7 +206,7 @@ impl ReceiverState {
 mod tests {
     use super::*;
 
-    const ALL: [FrameKind; 29] = [
+    const ALL: [FrameKind; 30] = [
         FrameKind::Hello,
         FrameKind::Accept,
         FrameKind::Pages,
@@ -234,6 +236,7 @@ mod tests {
         FrameKind::PostcopyPagesCompressed,
         FrameKind::DigestUpdate,
         FrameKind::PostcopyInstalled,
+        FrameKind::CaughtUp,
     ];
 
     #[test]
@@ -260,6 +263,9 @@ mod tests {
         assert!(SourceState::StopAndCopy.accepts(FrameKind::Mismatch));
         assert!(SourceState::Postcopy.accepts(FrameKind::PostcopyInstalled));
         assert!(!ReceiverState::Postcopy.accepts(FrameKind::PostcopyInstalled));
+        assert!(SourceState::Iterating.accepts(FrameKind::CaughtUp));
+        assert!(!SourceState::StopAndCopy.accepts(FrameKind::CaughtUp));
+        assert!(!ReceiverState::Iterating.accepts(FrameKind::CaughtUp));
         assert!(SourceState::Committing.check(FrameKind::Ready).is_err());
         assert!(ALL.iter().all(|&k| k != FrameKind::Error || SourceState::Completed.accepts(k)));
     }

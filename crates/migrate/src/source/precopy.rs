@@ -16,7 +16,7 @@ use super::send::{DRAINED, DRAIN_LIMIT};
 use super::stop::Stop;
 use super::warm::{self, WarmUnsent};
 use crate::options::{MigrateOptions, PostcopyMode};
-use crate::protocol::{Digest, FrameKind, SourceState};
+use crate::protocol::{self, Digest, ErrorMessage, FrameKind, SourceState};
 use crate::stats::StopReason;
 
 /// Unhashed pages (4 MiB) above which a converged pre-copy lets the
@@ -225,17 +225,27 @@ impl Precopy {
     }
 }
 
-/// Sends the digest as it stands (a later DIGEST replaces it) and lets
-/// the link's queue drain; returns the digest sent, if one went.
+/// Sends the digest as it stands (a later DIGEST replaces it), lets the
+/// link's queue drain and waits for the destination's CAUGHT_UP (every
+/// page before it written and hashed there; the guest still runs here,
+/// and the last look after it adds what it dirtied meanwhile); returns
+/// the digest sent, if one went.
 fn send_digest_before_stop(m: &mut Migration, link: &mut Link) -> Result<Option<Vec<u64>>, SourceError> {
-    let mut sent = None;
-    if let Some(hashes) = m.digest.as_ref().map(|d| d.hashes()) {
-        let digest = Digest { region: m.options.digest_region, hashes };
-        link.write_control(FrameKind::Digest, &digest.encode())?;
-        sent = Some(digest.hashes);
-    }
+    let Some(hashes) = m.digest.as_ref().map(|d| d.hashes()) else {
+        link.engine().drain(DRAINED, DRAIN_LIMIT);
+        return Ok(None);
+    };
+    let digest = Digest { region: m.options.digest_region, hashes };
+    link.write_control(FrameKind::Digest, &digest.encode())?;
     link.engine().drain(DRAINED, DRAIN_LIMIT);
-    Ok(sent)
+    let reader = link.reader.as_mut().expect("connected");
+    let mut frame = Vec::new();
+    let kind = protocol::read_frame(reader, &mut frame)?;
+    m.state.check(kind)?;
+    if kind == FrameKind::Error {
+        return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
+    }
+    Ok(Some(digest.hashes))
 }
 
 /// Whether the memory digest has so much left to hash that doing it
