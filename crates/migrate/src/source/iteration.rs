@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use tsubame_vmm::{memory, DirtyBitmap};
+use tsubame_codec::batch::BatchCodec;
+use tsubame_vmm::{memory, DirtyBitmap, PAGE_SIZE};
 
 use super::busy::{PipelineWork, Stopwatch};
 use super::error::SourceError;
@@ -143,12 +144,14 @@ pub(super) fn send_dirty(
                 let measured = if elapsed < LINK_MEASURED { 0.0 } else { written };
                 let link_rate = link.rate.known_or(measured);
                 let is_zero = |page| memory::page_is_zero(vm.memory(), page);
+                let wire_share = |pages: &[u64]| compressed_share(vm.memory(), m.options.codecs.batch, pages);
                 if watch.handover(
                     link_rate,
                     m.stats.pages_total,
                     &mut peek,
                     |b| vm.peek_dirty_log(b).unwrap_or(false),
                     is_zero,
+                    wire_share,
                 ) {
                     break true;
                 }
@@ -261,6 +264,22 @@ fn look_at_link(
     let send = link.engine().work().send.wall - work_before.send.wall;
     policy.first_look(bytes, ms(elapsed), ms(send));
     link.set_capacity(policy.codec_link_rate(options));
+}
+
+/// What `pages` compress to with `codec`, as a share of their bytes (1
+/// without a codec, or where a page cannot be read).
+fn compressed_share(mem: &memory::GuestMemory, codec: Option<BatchCodec>, pages: &[u64]) -> f64 {
+    let Some(codec) = codec else { return 1.0 };
+    let mut input = vec![0u8; pages.len() * PAGE_SIZE];
+    for (chunk, &page) in input.chunks_exact_mut(PAGE_SIZE).zip(pages) {
+        let chunk: &mut [u8; PAGE_SIZE] = chunk.try_into().expect("chunks of a page");
+        if memory::read_page(mem, page, chunk).is_err() {
+            return 1.0;
+        }
+    }
+    let mut out = Vec::new();
+    codec.compress(&input, &mut out);
+    (out.len() as f64 / input.len().max(1) as f64).min(1.0)
 }
 
 /// What one pass of [`send_dirty`] did.
