@@ -139,7 +139,7 @@ const MAX_BENCH_BYTES: u64 = 256 << 20;
 /// The least share of the bytes a codec must save while the bandwidth is
 /// unknown (lz4 over a kv guest's text-like pages saves 1-3 %: it ran
 /// over the first 100 MiB of 1 GiB before the link was measured).
-const UNKNOWN_SAVING: f64 = 1.0 / 8.0;
+pub const UNKNOWN_SAVING: f64 = 1.0 / 8.0;
 
 /// Tracks whether a codec pays for its time at the current bandwidth and
 /// benches it for a while when it does not.
