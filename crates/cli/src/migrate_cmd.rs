@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tsubame_migrate::options::parse_granularity;
+use tsubame_migrate::options::{default_codecs, parse_granularity};
 use tsubame_migrate::secure::{Psk, TlsConfig};
 use tsubame_migrate::stats::Status;
 use tsubame_migrate::transport::Security;
@@ -82,9 +82,10 @@ pub struct MigrateFlags {
     /// lz4, zstd[=LEVEL]; or none (raw pages). Per page: zero, then an
     /// XBZRLE hit, then dedup or rle, else raw; lz4/zstd compress each
     /// batch. A codec that does not pay at the measured bandwidth is
-    /// switched off for a while.
-    #[arg(long, value_name = "LIST", default_value = "zero")]
-    pub codec: String,
+    /// switched off for a while [default: zero,lz4; zero with --zero-copy
+    /// or --gpu]
+    #[arg(long, value_name = "LIST")]
+    pub codec: Option<String>,
     /// Send only the changed BYTES-sized sub-pages of each dirty page
     /// (a power of two, 64 to 4096; 4096 sends whole pages). `auto` (the
     /// default) starts with 128-byte sub-pages and sends whole pages from
@@ -182,7 +183,10 @@ impl MigrateFlags {
             parse_granularity(&self.granularity).map_err(|e| usage_error(format!("--granularity: {e}")))?;
         let subpage_detector =
             self.subpage_detect.parse().map_err(|e: String| usage_error(format!("--subpage-detect: {e}")))?;
-        let codecs = self.codec.parse().map_err(|e: tsubame_codec::CodecError| usage_error(format!("--codec: {e}")))?;
+        let codecs = match &self.codec {
+            Some(list) => list.parse().map_err(|e: tsubame_codec::CodecError| usage_error(format!("--codec: {e}")))?,
+            None => default_codecs(self.zero_copy, self.gpu),
+        };
         let postcopy = self.postcopy.parse().map_err(|e: String| usage_error(format!("--postcopy: {e}")))?;
         if self.postcopy_timeout == 0 {
             return Err(usage_error("--postcopy-timeout must be at least 1 second"));

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tsubame_migrate::options::parse_granularity;
+use tsubame_migrate::options::{default_codecs, parse_granularity};
 use tsubame_migrate::secure::{Psk, TlsConfig};
 use tsubame_migrate::subpage::Detector;
 use tsubame_migrate::{Address, GpuOffload, MigrateOptions};
@@ -162,9 +162,10 @@ impl MigrateRequest {
         if let Some(d) = &self.subpage_detect {
             options.subpage_detector = d.parse()?;
         }
-        if let Some(c) = &self.codec {
-            options.codecs = c.parse().map_err(|e: tsubame_codec::CodecError| e.to_string())?;
-        }
+        options.codecs = match &self.codec {
+            Some(c) => c.parse().map_err(|e: tsubame_codec::CodecError| e.to_string())?,
+            None => default_codecs(self.zero_copy == Some(true), self.gpu.is_some()),
+        };
         set(&mut options.channels, self.channels);
         set(&mut options.encode_threads, self.encode_threads);
         set(&mut options.batch_pages, self.batch_pages);

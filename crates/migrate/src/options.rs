@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest;
 use crate::subpage::Detector;
+use tsubame_codec::batch::BatchCodec;
 use tsubame_codec::CodecList;
 
 /// Whole pages, as a granularity.
@@ -172,6 +173,15 @@ pub enum GpuOffload {
     Emulator,
 }
 
+/// The page codecs unless asked for others: zero pages as a flag, and lz4
+/// over each batch while it pays at the link's rate (pages a guest wrote
+/// a few words of shrink 20-200 times; it switches itself off on pages it
+/// does not shrink); zero only where pages go out raw (`zero_copy`) or a
+/// GPU encodes them (`gpu`).
+pub fn default_codecs(zero_copy: bool, gpu: bool) -> CodecList {
+    CodecList { zero: true, batch: (!zero_copy && !gpu).then_some(BatchCodec::Lz4), ..CodecList::default() }
+}
+
 /// Default encode threads: every core but one (which fetches and sends).
 pub fn default_encode_threads() -> u16 {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
@@ -276,7 +286,7 @@ impl Default for MigrateOptions {
             granularity_auto: true,
             subpage_detector: Detector::Hash,
             subpage_hash_mask: u64::MAX,
-            codecs: CodecList { zero: true, ..CodecList::default() },
+            codecs: default_codecs(false, false),
             pipeline: true,
             batch_pages: 1024,
             encode_threads: default_encode_threads(),

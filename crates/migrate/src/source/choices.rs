@@ -2,7 +2,7 @@
 //! `choices`: each flag as asked for or the default's, then what the
 //! migration settled (sub-pages kept or dropped, post-copy or not).
 
-use crate::options::{Granularity, MigrateOptions};
+use crate::options::{default_codecs, Granularity, MigrateOptions};
 use crate::stats::Choice;
 use crate::subpage::SubpageStats;
 
@@ -29,7 +29,12 @@ pub fn initial_choices(options: &MigrateOptions, granularity: Granularity) -> Ve
             "auto: sub-pages until the pages sent again show they do not pay".into(),
         ),
     };
-    let mut codecs_why = why(options.codecs == defaults.codecs, "the default: zero pages as a flag");
+    let default = default_codecs(options.zero_copy, options.gpu.is_some());
+    let default_why = match default.batch {
+        Some(_) => "the default: zero pages as a flag, lz4 over each batch while it pays",
+        None => "the default: zero pages as a flag",
+    };
+    let mut codecs_why = why(options.codecs == default, default_why);
     if options.codecs.xbzrle.is_some() && !granularity.whole_pages() {
         codecs_why.push_str("; XBZRLE codes the pages whose every sub-page changed");
     }
