@@ -22,6 +22,7 @@ pub mod chooser;
 mod codec_list;
 pub mod dedup;
 mod error;
+mod payoff;
 pub mod rle;
 pub mod superfasthash;
 mod varint;
