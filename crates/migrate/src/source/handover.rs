@@ -57,6 +57,14 @@ const ZERO_SAMPLE: usize = 256;
 /// codec saving less than [`UNKNOWN_SAVING`] switches itself off: such
 /// pages count whole.
 const SHARE_SAMPLE: usize = 16;
+/// A guest writing in runs is handed over from this share of the link's
+/// rate (steadily over [`PROBE_LOOK`]): pre-copy sends what it dirties
+/// again, about 1 / (1 − share) of memory's time in all, post-copy each
+/// page once, and such a guest asks post-copy for few pages. From a tenth
+/// on, pre-copy would take over 1.1 times as long (bwmem over 256 MiB at
+/// 10 Gbit/s dirtied 300-570 MB/s under the dirty log: pre-copy 0.39-0.55
+/// s, post-copy at once 0.27-0.32).
+const RUNS_HANDOVER: f64 = 0.1;
 
 /// Watches a first iteration that sends memory in a strided order (so the
 /// pages out so far sample all of memory evenly) for a guest that dirties
@@ -86,6 +94,8 @@ pub struct HandoverWatch {
     /// the page: what the last probe look's sample compressed to (1
     /// without a batch codec).
     share: f64,
+    /// The last probe look saw the guest write in runs.
+    runs: bool,
 }
 
 /// What a sample of pages shows of the guest's writes.
@@ -138,6 +148,7 @@ impl HandoverWatch {
             sent_words: Vec::new(),
             probe_looks: Vec::new(),
             share: 1.0,
+            runs: false,
         }
     }
 
@@ -204,10 +215,11 @@ impl HandoverWatch {
         if let Some(probe) = &probe {
             self.probe_looks.push((probe.exposure, probe.rate, probe.dirtied));
         }
+        let enough = if self.runs { RUNS_HANDOVER } else { NOT_CONVERGING };
         let never_converges = probe.filter(|probe| {
             probe.dirtied >= PROBE_SEEN
                 && ((probe.exposure >= PROBE_LOOK.as_secs_f64()
-                    && probe.rate >= NOT_CONVERGING * link
+                    && probe.rate >= enough * link
                     && self.steady_since_half(probe))
                     || (probe.rate >= FAR_FROM_CONVERGING * link
                         && probe.rate * probe.exposure >= PROBE_MARGIN * link * limit))
@@ -254,7 +266,7 @@ impl HandoverWatch {
     /// keeps ahead of it), so handing it over costs it little and takes
     /// its vCPU off this host's CPUs: its pages count whole (bwmem over
     /// 256 MiB at 1 Gbit/s, compressed 200 times: post-copy at once 0.41
-    /// s, pre-copy 0.52). A scattered writer faults on each page it
+    /// s, pre-copy 0.52), and from [`RUNS_HANDOVER`] of the link's rate. A scattered writer faults on each page it
     /// touches first (spp-sparse: ~1024 faults a guest loop, 110-160 ms
     /// stalls): it is handed over only if even its compressed pages
     /// outrun the link.
@@ -286,8 +298,8 @@ impl HandoverWatch {
             let every = data.len().div_ceil(SHARE_SAMPLE);
             let sample: Vec<u64> = data.iter().step_by(every).copied().collect();
             let share = wire_share(&sample).clamp(0.001, 1.0);
-            let whole = share > 1.0 - UNKNOWN_SAVING || in_runs(unsent.iter().map(|&w| dirty.words()[w]));
-            self.share = if whole { 1.0 } else { share };
+            self.runs = in_runs(unsent.iter().map(|&w| dirty.words()[w]));
+            self.share = if self.runs || share > 1.0 - UNKNOWN_SAVING { 1.0 } else { share };
         }
         let with_data = (dirtied as f64 * data.len() as f64 / sampled.max(1) as f64).round() as u64;
         let mut look =
@@ -300,8 +312,9 @@ impl HandoverWatch {
     pub fn why(&self) -> String {
         match self.seen {
             Some((guest, link, look)) => format!(
-                "the guest dirtied memory at {:.0} MB/s{} over {} ms of its first iteration, the link carries {:.0} MB/s: \
+                "the guest dirtied memory{} at {:.0} MB/s{} over {} ms of its first iteration, the link carries {:.0} MB/s: \
                  pre-copy would send the pages it rewrites again, post-copy sends each once",
+                if self.runs { " in runs" } else { "" },
                 guest / self.share / 1e6,
                 if self.share < 1.0 { format!(" ({:.0} % of that once compressed)", self.share * 100.0) } else { String::new() },
                 look.as_millis(),
@@ -516,19 +529,20 @@ mod tests {
             }
             true
         };
-        assert!(watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0), "data");
-        assert!(
-            !watch().handover(300e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0),
-            "a faster link"
-        );
-        // Scattered pages that compress to a twentieth cost the link a
-        // twentieth; pages written in runs count whole.
+        // The same pages dirtied, scattered over each probe word.
         let scattered = |d: &mut DirtyBitmap| {
             for w in (0..1024).step_by(PROBE_EVERY) {
                 d.words_mut()[w] = (0..7).fold(0, |word, i| word | 1 << (9 * i));
             }
             true
         };
+        assert!(watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0), "data");
+        assert!(
+            !watch().handover(300e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0),
+            "a faster link"
+        );
+        // Scattered pages that compress to a twentieth cost the link a
+        // twentieth; pages written in runs count whole.
         let look = |share: f64, mark: &dyn Fn(&mut DirtyBitmap) -> bool| {
             watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark, |_| false, |_| share)
         };
@@ -537,19 +551,29 @@ mod tests {
         assert!(look(0.05, &tenth), "runs");
         // A codec saving under 1/8 is off: its pages go whole.
         assert!(look(0.9, &scattered), "raw");
+        // A quarter of a faster link's rate: enough for a guest writing in
+        // runs, not for a scattered one.
+        let on_fast_link = |mark: &dyn Fn(&mut DirtyBitmap) -> bool| {
+            watch().handover(1e9, 65536, &mut DirtyBitmap::new(65536), mark, |_| false, |_| 1.0)
+        };
+        assert!(on_fast_link(&tenth), "runs");
+        assert!(!on_fast_link(&scattered), "scattered");
         // Zeros written: a record each, not a page.
-        assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| true, |_| 1.0), "zeros");
+        assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| true, |_| 1.0), "zeros");
         // One page in four holds data: ~60 MB/s.
         let quarter = |p: u64| !p.is_multiple_of(4);
-        assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, quarter, |_| 1.0), "mostly zeros");
+        assert!(
+            !watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, quarter, |_| 1.0),
+            "mostly zeros"
+        );
         // Twice the rate 60 ms before: a hot set, whose pages count once.
         let mut hot = watch_after(490e6);
-        assert!(!hot.handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0), "a hot set");
+        assert!(!hot.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0), "a hot set");
         // Without a look at half of it, none.
         let mut unseen = watch();
         unseen.probe_looks.clear();
         assert!(
-            !unseen.handover(100e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0),
+            !unseen.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0),
             "no earlier look"
         );
     }
