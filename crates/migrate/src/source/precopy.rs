@@ -231,21 +231,20 @@ impl Precopy {
 /// and the last look after it adds what it dirtied meanwhile); returns
 /// the digest sent, if one went.
 fn send_digest_before_stop(m: &mut Migration, link: &mut Link) -> Result<Option<Vec<u64>>, SourceError> {
-    let Some(hashes) = m.digest.as_ref().map(|d| d.hashes()) else {
-        link.engine().drain(DRAINED, DRAIN_LIMIT);
-        return Ok(None);
-    };
-    let digest = Digest { region: m.options.digest_region, hashes };
-    link.write_control(FrameKind::Digest, &digest.encode())?;
-    link.engine().drain(DRAINED, DRAIN_LIMIT);
-    let reader = link.reader.as_mut().expect("connected");
-    let mut frame = Vec::new();
-    let kind = protocol::read_frame(reader, &mut frame)?;
-    m.state.check(kind)?;
-    if kind == FrameKind::Error {
-        return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
+    let digest = m.digest.as_ref().map(|d| Digest { region: m.options.digest_region, hashes: d.hashes() });
+    if let Some(digest) = &digest {
+        link.write_control(FrameKind::Digest, &digest.encode())?;
     }
-    Ok(Some(digest.hashes))
+    link.engine().drain(DRAINED, DRAIN_LIMIT);
+    if digest.is_some() {
+        let mut frame = Vec::new();
+        let kind = protocol::read_frame(link.reader.as_mut().expect("connected"), &mut frame)?;
+        m.state.check(kind)?;
+        if kind == FrameKind::Error {
+            return Err(SourceError::Refused(ErrorMessage::decode(&frame).0));
+        }
+    }
+    Ok(digest.map(|d| d.hashes))
 }
 
 /// Whether the memory digest has so much left to hash that doing it
