@@ -9,3 +9,8 @@ pub use incremental::{
     far_copy_hash, memory_digest, page_hash, page_hash_cost, region_hashes, region_hashes_by, zero_page_hash,
     FarPageHashes, IncrementalDigest, DEFAULT_REGION,
 };
+
+/// Pages' hashes a reader hands to the digest at a time (each hand-over
+/// wakes its thread). A reader's last few may never be handed over: the
+/// digest then reads those pages itself.
+pub const HASHES_HANDED: usize = 4096;

@@ -101,10 +101,12 @@ impl Migration<'_> {
     }
 
     /// Hands the pages just sent to the digest thread, which hashes them
-    /// (all memory the first time) while the next iteration runs; those
-    /// the fetch found all zeros (`zeros`, of the same send) it need not read.
-    pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap, zeros: Option<DirtyBitmap>) {
-        self.digest().mark_read(sent.clone(), zeros);
+    /// while the next iteration runs — unless the fetch `hashed` them
+    /// already; those the fetch found all zeros (`zeros`, of the same
+    /// send) it need not read.
+    pub(super) fn refresh_digest(&mut self, sent: DirtyBitmap, zeros: DirtyBitmap, hashed: bool) {
+        let read = if hashed { DirtyBitmap::new(sent.pages()) } else { sent };
+        self.digest().mark_read(read, Some(zeros));
     }
 }
 

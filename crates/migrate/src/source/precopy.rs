@@ -98,7 +98,7 @@ impl Precopy {
             let watch = (iteration == 0 && options.postcopy == PostcopyMode::Auto && !options.auto_converge)
                 .then(|| HandoverWatch::new(options.downtime_limit));
             let pass = Pass::Running { policy: &mut self.policy, watch };
-            let Sent { it, unsent, zeros, .. } = send_dirty(m, link, &bitmap, iteration, pass)?;
+            let Sent { it, unsent, zeros, hashed, .. } = send_dirty(m, link, &bitmap, iteration, pass)?;
             if let Some((unsent, why)) = unsent {
                 chose_postcopy(m, why);
                 // Post-copy's senders hash the pages left (the digest would
@@ -107,11 +107,11 @@ impl Precopy {
                 m.digest().await_hashes(unsent.clone());
                 let mut sent = bitmap.clone();
                 sent.subtract(&unsent);
-                m.digest().mark_read(sent, Some(zeros));
+                m.refresh_digest(sent, zeros, hashed);
                 m.stats.per_iteration.push(it);
                 return Ok(self.hand_over(options, unsent, Some(iteration)));
             }
-            m.refresh_digest(&bitmap, Some(zeros));
+            m.refresh_digest(bitmap.clone(), zeros, hashed);
             let bw = self.policy.observe(&it, options);
             let summary = link.engine.as_ref().map_or_else(String::new, |e| e.summary());
             m.progress.update(|p| {

@@ -11,7 +11,7 @@ use tsubame_codec::batch::BatchCodec;
 use tsubame_codec::zero::is_zero;
 use tsubame_vmm::{memory, DirtyBitmap, GuestMemory};
 
-use crate::digest::{page_hash, zero_page_hash, DigestFeed};
+use crate::digest::{page_hash, zero_page_hash, DigestFeed, HASHES_HANDED};
 use crate::protocol::pages::{Encoding, PagesBuilder, RECORDS_PER_FRAME};
 use crate::protocol::MAX_REQUEST;
 use crate::protocol::{
@@ -23,10 +23,6 @@ use crate::source::pack::FramePacker;
 use crate::source::send::Writer;
 use crate::source::vm::SourceVm;
 use crate::transport::{Pacer, Stream};
-
-/// Pages' hashes handed to the digest at a time. The request server's
-/// last few may never be handed over: the digest then reads those pages.
-pub(super) const HASHES_HANDED: usize = 4096;
 
 /// What the channel-0 reader hears from the destination.
 pub(super) enum Heard {

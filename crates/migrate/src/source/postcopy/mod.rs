@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tsubame_codec::batch::BatchCodec;
 use tsubame_vmm::DirtyBitmap;
 
-use self::link::{Counters, Heard, Outstanding, Packing, PageFrames, PostcopyLink, HASHES_HANDED};
+use self::link::{Counters, Heard, Outstanding, Packing, PageFrames, PostcopyLink};
 use self::resume::reconnect;
 use super::error::SourceError;
 use super::fetch::remove_unpopulated;
@@ -28,6 +28,7 @@ use super::link::Link;
 use super::migration::{ms, Migration};
 use super::send::{write_frame_flushed, Writer, DRAINED, DRAIN_LIMIT};
 use super::warm;
+use crate::digest::HASHES_HANDED;
 use crate::protocol::{self, Digest, ErrorMessage, FrameKind, PostcopyDone, PostcopyStart, SourceState};
 use crate::stats::{DowntimeBreakdown, PostcopyStats};
 use crate::transport::Stream;
