@@ -114,10 +114,14 @@ fn apply_pages(
         let result = match record.encoding {
             Encoding::Raw => {
                 marks.touch(index);
-                page.copy_from_slice(record.data);
-                decoder.observe(index, &page);
-                hashes.push((index, page_hash(&page)));
-                memory::write(mem, addr, record.data)
+                // Hashed and observed where it lies in the frame: a copy
+                // of its own doubled the decoder's copying.
+                let Ok(data) = <&[u8; PAGE_SIZE]>::try_from(record.data) else {
+                    return Err(WireError::bad("pages.length", format!("{} for a raw page", record.data.len())));
+                };
+                decoder.observe(index, data);
+                hashes.push((index, page_hash(data)));
+                memory::write(mem, addr, data)
             }
             Encoding::Zero => {
                 decoder.observe_zero(index);
