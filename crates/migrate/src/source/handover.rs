@@ -266,10 +266,10 @@ impl HandoverWatch {
     /// keeps ahead of it), so handing it over costs it little and takes
     /// its vCPU off this host's CPUs: its pages count whole (bwmem over
     /// 256 MiB at 1 Gbit/s, compressed 200 times: post-copy at once 0.41
-    /// s, pre-copy 0.52), and from [`RUNS_HANDOVER`] of the link's rate. A scattered writer faults on each page it
-    /// touches first (spp-sparse: ~1024 faults a guest loop, 110-160 ms
-    /// stalls): it is handed over only if even its compressed pages
-    /// outrun the link.
+    /// s, pre-copy 0.52), and from [`RUNS_HANDOVER`] of the link's rate.
+    /// A scattered writer faults on each page it touches first
+    /// (spp-sparse: ~1024 faults a guest loop, 110-160 ms stalls): it is
+    /// handed over only if even its compressed pages outrun the link.
     fn probe_look(
         &mut self,
         dirty: &DirtyBitmap,

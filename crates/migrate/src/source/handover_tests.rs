@@ -32,24 +32,14 @@ fn strided_order_visits_every_chunk_once() {
 
 #[test]
 fn handover_when_sent_pages_are_dirtied_as_fast_as_the_link_carries() {
-    let mut watch = HandoverWatch::new(Duration::from_millis(300));
     let long_ago = std::time::Instant::now() - Duration::from_millis(1500);
     // 16 runs of 1024 pages went out 1.5 s ago, from 64 Ki pages.
-    for i in 0..16 {
-        watch.sent.push((long_ago, i * 4096, 1024));
-    }
+    let mut watch = runs_sent_at(long_ago);
     watch.last_check = long_ago;
     let mut dirty = DirtyBitmap::new(65536);
     // A quarter of each run dirtied again: 16 Ki pages of memory per
     // 1.5 s, ~44 MB/s.
-    let mark = |d: &mut DirtyBitmap| {
-        for i in 0..16u64 {
-            for p in 0..256 {
-                d.set(i * 4096 + p);
-            }
-        }
-        true
-    };
+    let mark = first_of_each_run(256);
     assert!(watch.handover(40e6, 65536, &mut dirty, mark, |_| false, |_| 1.0), "44 MB/s against a 40 MB/s link");
     watch.last_check = long_ago;
     assert!(!watch.handover(100e6, 65536, &mut dirty, mark, |_| false, |_| 1.0), "44 MB/s against 100 MB/s");
@@ -59,21 +49,9 @@ fn handover_when_sent_pages_are_dirtied_as_fast_as_the_link_carries() {
 
 #[test]
 fn handover_after_a_short_look_only_when_far_from_converging() {
-    let mut watch = HandoverWatch::new(Duration::from_millis(300));
     let lately = std::time::Instant::now() - Duration::from_millis(300);
-    for i in 0..16 {
-        watch.sent.push((lately, i * 4096, 1024));
-    }
-    let mark = |share: u64| {
-        move |d: &mut DirtyBitmap| {
-            for i in 0..16u64 {
-                for p in 0..share {
-                    d.set(i * 4096 + p);
-                }
-            }
-            true
-        }
-    };
+    let mut watch = runs_sent_at(lately);
+    let mark = first_of_each_run;
     // Everything out 0.3 s ago dirtied again: 256 MiB per 0.3 s.
     watch.last_check = lately;
     assert!(
@@ -233,4 +211,27 @@ fn handover_after_half_a_second_when_the_rate_holds() {
         !watch.handover(250e6, 65536, &mut DirtyBitmap::new(65536), mark(307, 307), |_| false, |_| 1.0),
         "a hot set"
     );
+}
+
+/// A watch (300 ms limit) whose 16 runs of 1024 pages, one every 4096
+/// pages of 64 Ki, went out `at`.
+fn runs_sent_at(at: std::time::Instant) -> HandoverWatch {
+    let mut watch = HandoverWatch::new(Duration::from_millis(300));
+    for i in 0..16 {
+        watch.sent.push((at, i * 4096, 1024));
+    }
+    watch
+}
+
+/// A look at the log that finds the first `pages` of each of those runs
+/// dirtied.
+fn first_of_each_run(pages: u64) -> impl Fn(&mut DirtyBitmap) -> bool + Copy {
+    move |d: &mut DirtyBitmap| {
+        for i in 0..16u64 {
+            for p in 0..pages {
+                d.set(i * 4096 + p);
+            }
+        }
+        true
+    }
 }

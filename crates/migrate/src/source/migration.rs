@@ -104,8 +104,8 @@ impl Migration<'_> {
     /// while the next iteration runs — unless the fetch `hashed` them
     /// already; those the fetch found all zeros (`zeros`, of the same
     /// send) it need not read.
-    pub(super) fn refresh_digest(&mut self, sent: DirtyBitmap, zeros: DirtyBitmap, hashed: bool) {
-        let read = if hashed { DirtyBitmap::new(sent.pages()) } else { sent };
+    pub(super) fn refresh_digest(&mut self, sent: &DirtyBitmap, zeros: DirtyBitmap, hashed: bool) {
+        let read = if hashed { DirtyBitmap::new(sent.pages()) } else { sent.clone() };
         self.digest().mark_read(read, Some(zeros));
     }
 }

@@ -107,11 +107,11 @@ impl Precopy {
                 m.digest().await_hashes(unsent.clone());
                 let mut sent = bitmap.clone();
                 sent.subtract(&unsent);
-                m.refresh_digest(sent, zeros, hashed);
+                m.refresh_digest(&sent, zeros, hashed);
                 m.stats.per_iteration.push(it);
                 return Ok(self.hand_over(options, unsent, Some(iteration)));
             }
-            m.refresh_digest(bitmap.clone(), zeros, hashed);
+            m.refresh_digest(&bitmap, zeros, hashed);
             let bw = self.policy.observe(&it, options);
             let summary = link.engine.as_ref().map_or_else(String::new, |e| e.summary());
             m.progress.update(|p| {
