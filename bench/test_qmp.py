@@ -94,6 +94,11 @@ def test_migrate_with_qemu_qmp(procs, tmp_path):
         assert source.greeting.QMP.version["package"].startswith("tsubame ")
         assert await source.execute("query-status") == {"running": True, "status": "running"}
         assert await dest.execute("query-status") == {"running": False, "status": "inmigrate"}
+        dump = tmp_path / "low.bin"
+        assert await source.execute("pmemsave", {"val": 4096, "size": 65536, "filename": str(dump)}) == {}
+        assert dump.stat().st_size == 65536
+        with pytest.raises(qmp.ExecuteError, match="outside the guest"):
+            await source.execute("pmemsave", {"val": 1 << 40, "size": 4096, "filename": str(dump)})
         with source.listener("MIGRATION") as migration, dest.listener("RESUME") as resumed:
             assert await source.execute("migrate", {"uri": f"unix:{incoming}"}) == {}
             seen = []

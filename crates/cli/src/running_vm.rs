@@ -293,6 +293,37 @@ impl RunningVm {
         Ok(serde_json::to_value(result?).expect("summary serializes"))
     }
 
+    /// QEMU's `pmemsave`: writes `size` bytes of guest memory from
+    /// address `val` to the file `filename`, as they are now (the guest
+    /// keeps running unless paused first). Pages held in far memory or
+    /// still arriving are not here to read, so those VMs are refused.
+    fn pmemsave(&self, request: &Value) -> Result<Value, String> {
+        let number = |key: &str| {
+            request.get(key).and_then(Value::as_u64).ok_or_else(|| format!("pmemsave needs \"{key}\": a byte count"))
+        };
+        let (start, size) = (number("val")?, number("size")?);
+        let path = request.get("filename").and_then(Value::as_str).ok_or("pmemsave needs \"filename\": a file path")?;
+        let memory = self.vm.memory_bytes();
+        if start.checked_add(size).is_none_or(|end| end > memory) {
+            return Err(format!("{size} bytes at {start:#x} lie outside the guest's {memory} bytes of memory"));
+        }
+        if self.far.get().is_some() || self.arriving.load(Ordering::Acquire) {
+            return Err("part of the guest's memory is not on this host (far memory or post-copy)".into());
+        }
+        let file = std::fs::File::create(path).map_err(|e| format!("cannot create {path}: {e}"))?;
+        let mut out = std::io::BufWriter::new(file);
+        let mut chunk = vec![0u8; 1 << 20];
+        let mut at = start;
+        while at < start + size {
+            let len = chunk.len().min((start + size - at) as usize);
+            tsubame_vmm::memory::read(self.vm.memory(), at, &mut chunk[..len]).map_err(|e| e.to_string())?;
+            std::io::Write::write_all(&mut out, &chunk[..len]).map_err(|e| format!("cannot write {path}: {e}"))?;
+            at += len as u64;
+        }
+        std::io::Write::flush(&mut out).map_err(|e| format!("cannot write {path}: {e}"))?;
+        Ok(json!({}))
+    }
+
     /// The `query-memory` reply: guest memory, and where its pages live.
     pub fn query_memory(&self) -> Value {
         json!({
@@ -343,6 +374,7 @@ impl ControlHandler for RunningVm {
             "query-status" => Ok(self.query_status()),
             "migrate-resume" => self.resume_migration(request),
             "trace" => self.trace(request),
+            "pmemsave" => self.pmemsave(request),
             "pause" => self.vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             "resume" => self.vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
             "quit" => {
@@ -350,7 +382,7 @@ impl ControlHandler for RunningVm {
                 Ok(json!({}))
             }
             other => Err(format!(
-                "unknown command '{other}' (known: stats, query-status, query-memory, pause, resume, quit, migrate, query-migrate, migrate-resume, trace)"
+                "unknown command '{other}' (known: stats, query-status, query-memory, pause, resume, quit, migrate, query-migrate, migrate-resume, trace, pmemsave)"
             )),
         }
     }

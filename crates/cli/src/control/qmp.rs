@@ -12,7 +12,7 @@
 //! | `migrate` (`uri`, any `migrate` key of ours, `resume`) | `migrate` (`to`), `migrate-resume` |
 //! | `query-migrate` | `query-migrate`, in QEMU's shape |
 //! | `migrate-set-parameters` (`downtime-limit`, `max-bandwidth`) | defaults of later `migrate`s |
-//! | `stats`, `query-memory`, `trace` | the same, `arguments` as the request's keys |
+//! | `stats`, `query-memory`, `trace`, `pmemsave` | the same, `arguments` as the request's keys |
 
 use serde_json::{json, Map, Value};
 use tsubame_migrate::protocol::SourceState;
@@ -38,6 +38,7 @@ const COMMANDS: &[&str] = &[
     "stats",
     "query-memory",
     "trace",
+    "pmemsave",
 ];
 
 /// The line every connection starts with.
@@ -209,7 +210,7 @@ fn run(
                 "max-bandwidth": parameters.get("max_bandwidth").and_then(Value::as_u64).unwrap_or(0),
             })
         }
-        "stats" | "query-memory" | "trace" => {
+        "stats" | "query-memory" | "trace" | "pmemsave" => {
             if arguments.contains_key("cmd") {
                 return Err(unexpected("cmd"));
             }
