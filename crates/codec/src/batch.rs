@@ -183,4 +183,18 @@ mod tests {
             assert!(out.capacity() < 2 << 20);
         }
     }
+
+    #[test]
+    fn zstd_frames_compressed_apart_decode_as_one_batch() {
+        // nvCOMP compresses a batch as independent chunks; their frames,
+        // back to back, are one zstd batch on the wire.
+        let input: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8 ^ (i >> 12) as u8).collect();
+        let mut frames = Vec::new();
+        for chunk in input.chunks(65536) {
+            frames.extend_from_slice(&zstd::bulk::compress(chunk, 1).unwrap());
+        }
+        let mut back = Vec::new();
+        decompress(ID_ZSTD, &frames, input.len(), 1 << 20, &mut back).unwrap();
+        assert!(back == input);
+    }
 }

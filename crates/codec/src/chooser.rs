@@ -189,6 +189,14 @@ impl PageEncoder {
         self.bandwidth = bytes_per_second;
     }
 
+    /// Keeps every codec on whether it pays or not, as the GPU encoder
+    /// does (the reference its records are compared with, byte for byte).
+    pub fn keep_codecs_on(&mut self) {
+        self.xbzrle_payoff = Payoff::always_on();
+        self.dedup_payoff = Payoff::always_on();
+        self.rle_payoff = Payoff::always_on();
+    }
+
     /// The codec list.
     pub fn list(&self) -> &CodecList {
         &self.list

@@ -37,9 +37,17 @@ pub struct Payoff {
     switched_off: u64,
     /// Times in a row it did not pay.
     misses: u32,
+    /// Never judged: the codec stays on (see [`Payoff::always_on`]).
+    always_on: bool,
 }
 
 impl Payoff {
+    /// A payoff that never benches its codec: the GPU encoder keeps every
+    /// codec on, and its CPU reference must too.
+    pub fn always_on() -> Payoff {
+        Payoff { always_on: true, ..Payoff::default() }
+    }
+
     /// Whether to use the codec for the next item (counts down a bench).
     pub fn enabled(&mut self) -> bool {
         if self.off_for > 0 {
@@ -69,6 +77,9 @@ impl Payoff {
     /// Records one use that was not timed (its time is estimated from the
     /// timed ones); judges at the end of a window.
     pub fn record_untimed(&mut self, bytes_in: usize, bytes_out: usize, bandwidth: f64) {
+        if self.always_on {
+            return;
+        }
         self.window_in += bytes_in as u64;
         self.window_out += bytes_out as u64;
         self.window_items += 1;
