@@ -31,7 +31,7 @@ impl Default for CudaOptions {
     }
 }
 
-fn check(call: &'static str, rc: sys::CUresult) -> Result<(), GpuError> {
+pub(crate) fn check(call: &'static str, rc: sys::CUresult) -> Result<(), GpuError> {
     if rc == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -217,6 +217,10 @@ impl Backend for Cuda {
             check("cuMemAlloc", sys::cuMemAlloc_v2(&mut p, bytes.max(1)))?;
             self.allocations.push(p);
             check("cuMemsetD8", sys::cuMemsetD8_v2(p, 0, bytes.max(1)))?;
+            // The memset may still run on the legacy stream when this
+            // returns, and the lanes' non-blocking streams do not wait for
+            // it: a fill kernel queued next could run first.
+            check("cuStreamSynchronize", sys::cuStreamSynchronize(std::ptr::null_mut()))?;
         }
         Ok(p)
     }

@@ -35,12 +35,34 @@ pub enum GpuError {
     #[error("nvCOMP unavailable: {0}")]
     NvcompMissing(String),
     /// An nvCOMP call failed.
-    #[error("nvCOMP {call} failed with status {status}")]
+    #[error("nvCOMP {call} failed with status {status} ({})", crate::nvcomp::status_name(*.status))]
     Nvcomp {
         /// The nvCOMP function.
         call: &'static str,
         /// Its nvcompStatus_t.
         status: i32,
+    },
+    /// An nvCOMP batched call reported a failure for one chunk.
+    #[error("nvCOMP {call} failed on chunk {chunk} with status {status} ({})", crate::nvcomp::status_name(*.status))]
+    NvcompChunk {
+        /// The nvCOMP function.
+        call: &'static str,
+        /// The chunk's index in the input.
+        chunk: usize,
+        /// Its device status (nvcompStatus_t).
+        status: i32,
+    },
+    /// An nvCOMP batched call gave a chunk a size it cannot have.
+    #[error("nvCOMP {call} gave chunk {chunk} a size of {bytes} bytes (expected {expected})")]
+    NvcompChunkSize {
+        /// The nvCOMP function.
+        call: &'static str,
+        /// The chunk's index in the input.
+        chunk: usize,
+        /// The size it reported.
+        bytes: usize,
+        /// What it should be.
+        expected: String,
     },
     /// The emulator does not know a kernel (a bug).
     #[error("kernel {0} is unknown")]

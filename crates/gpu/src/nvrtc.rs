@@ -57,7 +57,7 @@ pub fn candidates() -> Vec<PathBuf> {
 
 /// site-packages directories under the usual Python prefixes (no Python is
 /// run: the directories are listed).
-fn python_site_packages() -> Vec<PathBuf> {
+pub(crate) fn python_site_packages() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = vec!["/usr/lib".into(), "/usr/local/lib".into()];
     if let Some(home) = std::env::var_os("HOME") {
         let home = PathBuf::from(home);
