@@ -79,3 +79,36 @@ pub const BLOCK: u32 = 256;
 pub fn blocks(items: usize) -> u32 {
     items.div_ceil(BLOCK as usize).max(1) as u32
 }
+
+/// A borrowed backend is a backend: one opened GPU serves encoders made
+/// one after another (the race check makes a fresh one per trial; the
+/// GPU's module and streams are set up once).
+impl<B: Backend + ?Sized> Backend for &mut B {
+    fn lanes(&self) -> usize {
+        (**self).lanes()
+    }
+    fn alloc(&mut self, bytes: usize) -> Result<DevPtr, GpuError> {
+        (**self).alloc(bytes)
+    }
+    fn upload(&mut self, lane: usize, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
+        (**self).upload(lane, dst, src)
+    }
+    fn download(&mut self, lane: usize, src: DevPtr, len: usize) -> Result<usize, GpuError> {
+        (**self).download(lane, src, len)
+    }
+    fn launch(&mut self, lane: usize, name: &'static str, grid: u32, block: u32, args: &[Arg]) -> Result<(), GpuError> {
+        (**self).launch(lane, name, grid, block, args)
+    }
+    fn order(&mut self, lane: usize, after: usize) -> Result<(), GpuError> {
+        (**self).order(lane, after)
+    }
+    fn wait(&mut self, lane: usize) -> Result<(), GpuError> {
+        (**self).wait(lane)
+    }
+    fn staged(&self, lane: usize, at: usize, len: usize) -> &[u8] {
+        (**self).staged(lane, at, len)
+    }
+    fn reset_staging(&mut self, lane: usize) {
+        (**self).reset_staging(lane)
+    }
+}

@@ -109,6 +109,9 @@ impl Backend for Emulator {
         // SAFETY: `src..src+len` lies inside one of our allocations (the
         // encoder asks only for bytes of its own buffers).
         st.extend_from_slice(unsafe { std::slice::from_raw_parts(src as *const u8, len) });
+        // Downloads start 64-byte aligned, as on the GPU's staging: a
+        // caller that assumed them back to back failed only there.
+        st.resize(st.len().next_multiple_of(64), 0);
         Ok(at)
     }
 

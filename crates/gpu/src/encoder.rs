@@ -193,7 +193,9 @@ impl Lane {
 struct InFlight {
     lane: usize,
     indices: Vec<u64>,
-    meta_at: usize,
+    /// Where the tags and the offsets will lie in the lane's staging.
+    tags_at: usize,
+    offsets_at: usize,
 }
 
 /// The sending side: encodes batches of pages on the device.
@@ -351,10 +353,10 @@ impl<B: Backend> GpuEncoder<B> {
         b.launch(lane, "pack", n as u32, BLOCK, &[nn, p(l.tag), p(l.len), p(l.off), p(l.pages), p(l.rec), p(l.out)])?;
         // Tags, then the n + 1 offsets, come back first; the records once
         // their total is known.
-        let meta_at = b.download(lane, l.tag, n)?;
-        b.download(lane, l.off, (n + 1) * 8)?;
+        let tags_at = b.download(lane, l.tag, n)?;
+        let offsets_at = b.download(lane, l.off, (n + 1) * 8)?;
         self.last_lane = Some(lane);
-        self.queue.push_back(InFlight { lane, indices: indices.to_vec(), meta_at });
+        self.queue.push_back(InFlight { lane, indices: indices.to_vec(), tags_at, offsets_at });
         Ok(())
     }
 
@@ -365,9 +367,9 @@ impl<B: Backend> GpuEncoder<B> {
         let n = f.indices.len();
         let b = &mut self.backend;
         b.wait(f.lane)?;
-        let tags = b.staged(f.lane, f.meta_at, n).to_vec();
+        let tags = b.staged(f.lane, f.tags_at, n).to_vec();
         let offsets: Vec<u64> = b
-            .staged(f.lane, f.meta_at + n, (n + 1) * 8)
+            .staged(f.lane, f.offsets_at, (n + 1) * 8)
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
             .collect();

@@ -17,6 +17,7 @@ fn emulator_or_skip() -> bool {
     false
 }
 
+use common::recorded::{identical_to_cpu, same_every_time};
 use common::*;
 use tsubame_codec::{PageDecoder, PageEncoder, PAGE_SIZE, TAG_RLE, TAG_XBZRLE};
 use tsubame_gpu::{kernels, Emulator, GpuDecoder, GpuEncoder, GpuError};
@@ -102,4 +103,21 @@ fn hostile_records_fail_cleanly_on_the_gpu_decoder() {
     assert_eq!(bad(5, &refs), "dedup record for page 17 refers to a cache entry this side does not hold");
     assert_eq!(bad(2, &[]), "page 17 uses codec tag 2, which this stream did not enable");
     let _ = PAGE_SIZE;
+}
+
+#[test]
+fn the_gpu_checks_helpers_pass_on_the_emulator() {
+    if !emulator_or_skip() {
+        return;
+    }
+    // The byte-identity and race checks the GPU check runs on recorded
+    // pages, here on a few synthetic ones (two trials: the emulator runs
+    // one thread at a time, so it cannot race).
+    let list = "zero,xbzrle=64K,dedup=16K,rle".parse().unwrap();
+    let batches = workload(5, 200, 2);
+    let mut encoder = GpuEncoder::new(Emulator::new(2), &list, 64).unwrap();
+    let mut decoder = GpuDecoder::new(Emulator::new(1), &list, 64).unwrap();
+    let (_, pages) = identical_to_cpu(&mut encoder, &mut decoder, &list, &batches).unwrap();
+    assert!(pages >= 300, "{pages}");
+    same_every_time(&mut Emulator::new(2), &list, &batches, 64, 2).unwrap();
 }

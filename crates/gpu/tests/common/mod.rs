@@ -1,6 +1,8 @@
 //! Test pages and the CPU reference, shared by the emulated and GPU tests.
 #![allow(dead_code)]
 
+pub mod recorded;
+
 use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::EncodedBatch;
 
