@@ -33,9 +33,11 @@ needs=(
     "qemu.qmp|python3 -c 'import qemu.qmp' 2>/dev/null|pip:qemu.qmp==0.0.6"
     "fonts|test -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf|fonts-dejavu-core"
     "nvrtc|python3 -c 'import nvidia.cuda_nvrtc' 2>/dev/null|optional-pip:nvidia-cuda-nvrtc-cu12"
+    "nvcomp|python3 -c 'import nvidia.libnvcomp' 2>/dev/null|optional-pip:nvidia-libnvcomp-cu13==6.0.0.12"
 )
 # optional-pip: NVRTC alone (no GPU, no driver) compiles every CUDA kernel
-# to PTX, so the GPU crate's compile test runs instead of skipping. Only
+# to PTX, so the GPU crate's compile test runs instead of skipping; nvCOMP's
+# library answers its host-only calls (sizes, alignments) without one. Only
 # where pip may install (not Debian's own python3); a failure is a note.
 # pip: QEMU's QMP client library (bench/test_qmp.py drives the control
 # socket with it) has no Debian package: pip installs it, into Debian's

@@ -107,7 +107,10 @@ static const Entry KERNELS[] = {
      [](void** params) {
          dd_dec_refs(A(0, u32), A(1, const u32*), A(2, const u32*), A(3, const u8*), A(4, u8*));
      }},
-    {"scan_lens", [](void** params) { scan_lens(A(0, u32), A(1, const u32*), A(2, u64*)); }},
+    {"scan_parts", [](void** params) { scan_parts(A(0, u32), A(1, const u32*), A(2, u64*)); }},
+    {"scan_sums", [](void** params) { scan_sums(A(0, u32), A(1, u64*)); }},
+    {"scan_write",
+     [](void** params) { scan_write(A(0, u32), A(1, const u32*), A(2, const u64*), A(3, u64*)); }},
     {"pack",
      [](void** params) {
          pack(A(0, u32), A(1, const u8*), A(2, const u32*), A(3, const u64*), A(4, const u8*), A(5, const u8*),

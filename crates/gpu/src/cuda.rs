@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 
 use crate::backend::{Arg, Backend, DevPtr, Packed};
+use crate::profile::{Profile, Timer};
 use crate::wait::{SleepMin, WaitPolicy};
 use crate::{kernels, GpuError};
 
@@ -23,11 +24,19 @@ pub struct CudaOptions {
     pub max_pages: usize,
     /// How the host waits.
     pub wait: WaitPolicy,
+    /// Time every kernel and copy on the device ([`Cuda::profile`]).
+    pub profile: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { device: 0, lanes: 2, max_pages: crate::DEFAULT_BATCH_PAGES, wait: WaitPolicy::default() }
+        CudaOptions {
+            device: 0,
+            lanes: 2,
+            max_pages: crate::DEFAULT_BATCH_PAGES,
+            wait: WaitPolicy::default(),
+            profile: false,
+        }
     }
 }
 
@@ -67,6 +76,7 @@ pub struct Cuda {
     allocations: Vec<sys::CUdeviceptr>,
     policy: WaitPolicy,
     sleep_min: SleepMin,
+    timer: Option<Timer>,
     _module: sys::CUmodule,
 }
 
@@ -156,6 +166,7 @@ impl Cuda {
                 allocations: Vec::new(),
                 policy: options.wait,
                 sleep_min: SleepMin::default(),
+                timer: options.profile.then(|| Timer::new(options.lanes.max(1))),
                 _module: module,
             })
         }
@@ -169,6 +180,57 @@ impl Cuda {
     /// The wait policy.
     pub fn policy(&self) -> WaitPolicy {
         self.policy
+    }
+
+    /// Where the time went so far, when opened with `profile`.
+    pub fn profile(&self) -> Option<&Profile> {
+        self.timer.as_ref().map(|t| &t.profile)
+    }
+
+    /// Starts timing work about to be queued on `lane` (with `profile`).
+    fn time_start(&mut self, lane: usize) -> Result<Option<sys::CUevent>, GpuError> {
+        let stream = self.lanes[lane].stream;
+        self.timer.as_mut().map(|t| t.start(stream)).transpose()
+    }
+
+    fn time_end(&mut self, lane: usize, name: &'static str, start: Option<sys::CUevent>) -> Result<(), GpuError> {
+        let stream = self.lanes[lane].stream;
+        match (self.timer.as_mut(), start) {
+            (Some(t), Some(start)) => t.end(lane, stream, name, start),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for everything queued on `lane`, per the wait policy.
+    fn wait_for(&mut self, lane: usize) -> Result<(), GpuError> {
+        let policy = self.policy;
+        let l = &mut self.lanes[lane];
+        let started = l.started.take();
+        let event = if policy == WaitPolicy::Blocking { l.blocking } else { l.done };
+        // SAFETY: live event and stream.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event, l.stream) })?;
+        match policy {
+            WaitPolicy::Spin => Cuda::spin(event),
+            // SAFETY: a live event created with CU_EVENT_BLOCKING_SYNC.
+            WaitPolicy::Blocking => check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) }),
+            WaitPolicy::SleepMin => {
+                let Some(t0) = started else { return Cuda::spin(event) };
+                match self.sleep_min.sleep_for(t0.elapsed()) {
+                    None => {
+                        Cuda::spin(event)?;
+                        self.sleep_min.record(t0.elapsed());
+                        Ok(())
+                    }
+                    Some(d) => {
+                        if d > Duration::ZERO {
+                            std::thread::sleep(d);
+                        }
+                        // SAFETY: a live event.
+                        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) })
+                    }
+                }
+            }
+        }
     }
 
     fn spin(event: sys::CUevent) -> Result<(), GpuError> {
@@ -226,22 +288,29 @@ impl Backend for Cuda {
     }
 
     fn upload(&mut self, lane: usize, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
-        let l = &mut self.lanes[lane];
-        if l.input_used + src.len() > l.capacity {
+        if self.lanes[lane].input_used + src.len() > self.lanes[lane].capacity {
             return Err(GpuError::BadBatch(format!("{} bytes exceed the lane's staging", src.len())));
         }
-        l.started.get_or_insert_with(Instant::now);
+        let copy_started = Instant::now();
+        let l = &mut self.lanes[lane];
+        l.started.get_or_insert(copy_started);
+        let at = l.input_used;
         // SAFETY: the staging buffer has `capacity` bytes (checked above);
         // it is not rewritten before `wait` on this lane (reset_staging is
         // called only for a finished lane), so the async copy reads stable
         // bytes.
-        unsafe {
-            let at = l.input.add(l.input_used);
-            std::ptr::copy_nonoverlapping(src.as_ptr(), at, src.len());
-            check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dst, at as *const c_void, src.len(), l.stream))?;
-        }
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), l.input.add(at), src.len()) };
         l.input_used += src.len().next_multiple_of(64);
-        Ok(())
+        if let Some(t) = &mut self.timer {
+            t.profile.host_staging += copy_started.elapsed();
+        }
+        let timed = self.time_start(lane)?;
+        let l = &self.lanes[lane];
+        // SAFETY: as above: `at..at + len` lies in the pinned input buffer.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, l.input.add(at) as *const c_void, src.len(), l.stream)
+        })?;
+        self.time_end(lane, "copy to device", timed)
     }
 
     fn download(&mut self, lane: usize, src: DevPtr, len: usize) -> Result<usize, GpuError> {
@@ -250,19 +319,23 @@ impl Backend for Cuda {
             return Err(GpuError::BadBatch(format!("{len} bytes exceed the lane's staging")));
         }
         let at = l.output_used;
+        l.output_used += len.next_multiple_of(64);
         if len > 0 {
+            let timed = self.time_start(lane)?;
+            let l = &self.lanes[lane];
             // SAFETY: `at + len` is within the pinned output buffer (checked
             // above), which lives as long as `self`.
             check("cuMemcpyDtoHAsync", unsafe {
                 sys::cuMemcpyDtoHAsync_v2(l.output.add(at).cast(), src, len, l.stream)
             })?;
+            self.time_end(lane, "copy to host", timed)?;
         }
-        l.output_used += len.next_multiple_of(64);
         Ok(at)
     }
 
     fn launch(&mut self, lane: usize, name: &'static str, grid: u32, block: u32, args: &[Arg]) -> Result<(), GpuError> {
         let f = *self.functions.get(name).ok_or(GpuError::UnknownKernel(name))?;
+        let timed = self.time_start(lane)?;
         let mut packed = Packed::new(args);
         let mut ptrs = packed.pointers();
         // SAFETY: `f` is a kernel of our module whose parameters are
@@ -283,7 +356,8 @@ impl Backend for Cuda {
                 ptrs.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
-        })
+        })?;
+        self.time_end(lane, name, timed)
     }
 
     fn order(&mut self, lane: usize, after: usize) -> Result<(), GpuError> {
@@ -299,34 +373,13 @@ impl Backend for Cuda {
     }
 
     fn wait(&mut self, lane: usize) -> Result<(), GpuError> {
-        let policy = self.policy;
-        let l = &mut self.lanes[lane];
-        let started = l.started.take();
-        let event = if policy == WaitPolicy::Blocking { l.blocking } else { l.done };
-        // SAFETY: live event and stream.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(event, l.stream) })?;
-        match policy {
-            WaitPolicy::Spin => Cuda::spin(event),
-            // SAFETY: a live event created with CU_EVENT_BLOCKING_SYNC.
-            WaitPolicy::Blocking => check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) }),
-            WaitPolicy::SleepMin => {
-                let Some(t0) = started else { return Cuda::spin(event) };
-                match self.sleep_min.sleep_for(t0.elapsed()) {
-                    None => {
-                        Cuda::spin(event)?;
-                        self.sleep_min.record(t0.elapsed());
-                        Ok(())
-                    }
-                    Some(d) => {
-                        if d > Duration::ZERO {
-                            std::thread::sleep(d);
-                        }
-                        // SAFETY: a live event.
-                        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) })
-                    }
-                }
-            }
+        let waiting = Instant::now();
+        self.wait_for(lane)?;
+        if let Some(t) = &mut self.timer {
+            t.profile.host_waiting += waiting.elapsed();
+            t.collect(lane)?;
         }
+        Ok(())
     }
 
     fn staged(&self, lane: usize, at: usize, len: usize) -> &[u8] {

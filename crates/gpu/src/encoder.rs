@@ -18,6 +18,8 @@ const LINES: usize = 64;
 /// Bytes per page reserved for its record on the device (kernels' REC_STRIDE).
 const REC_STRIDE: usize = 4352;
 const NONE: u32 = u32::MAX;
+/// Lengths each thread of the prefix sum adds up (`SCAN_RUN` in pack.cu).
+const SCAN_RUN: usize = 32;
 
 /// Default pages per submitted batch.
 pub const DEFAULT_BATCH_PAGES: usize = 1024;
@@ -64,11 +66,22 @@ impl EncodedBatch {
         self.offsets.push(self.data.len() as u64);
     }
 
-    fn append(&mut self, other: EncodedBatch) {
-        for i in 0..other.len() {
-            let (index, tag, bytes) = other.record(i);
-            self.push(index, tag, bytes);
+    /// Appends every record of `other`, in bulk (a batch's sub-batches
+    /// are joined this way: record by record cost as much as the copy
+    /// back from the GPU).
+    fn append(&mut self, mut other: EncodedBatch) {
+        if self.offsets.is_empty() {
+            self.offsets.push(0);
         }
+        if self.data.is_empty() && self.tags.is_empty() {
+            std::mem::swap(self, &mut other);
+            return;
+        }
+        let base = self.data.len() as u64;
+        self.indices.append(&mut other.indices);
+        self.tags.append(&mut other.tags);
+        self.data.append(&mut other.data);
+        self.offsets.extend(other.offsets.iter().skip(1).map(|o| o + base));
     }
 }
 
@@ -152,6 +165,8 @@ struct Lane {
     dfin: DevPtr,
     rec: DevPtr,
     off: DevPtr,
+    /// The prefix sum's per-run sums.
+    part: DevPtr,
     out: DevPtr,
     err: DevPtr,
     errv: DevPtr,
@@ -182,6 +197,7 @@ impl Lane {
             dfin: b.alloc(chunks * 4)?,
             rec: b.alloc(max * REC_STRIDE)?,
             off: b.alloc((max + 1) * 8)?,
+            part: b.alloc(max.div_ceil(SCAN_RUN) * 8)?,
             out: b.alloc(max * (PAGE_SIZE + 8))?,
             err: b.alloc(max * 4)?,
             errv: b.alloc(max * 4)?,
@@ -349,7 +365,10 @@ impl<B: Backend> GpuEncoder<B> {
             let write = [p(l.pages), nn, p(l.done), p(l.csize), p(l.rec), p(l.tag), p(l.len)];
             b.launch(lane, "rle_write", g_chunks, BLOCK, &write)?;
         }
-        b.launch(lane, "scan_lens", 1, 1, &[nn, p(l.len), p(l.off)])?;
+        let g_runs = blocks(n.div_ceil(SCAN_RUN));
+        b.launch(lane, "scan_parts", g_runs, BLOCK, &[nn, p(l.len), p(l.part)])?;
+        b.launch(lane, "scan_sums", 1, 1, &[nn, p(l.part)])?;
+        b.launch(lane, "scan_write", g_runs, BLOCK, &[nn, p(l.len), p(l.part), p(l.off)])?;
         b.launch(lane, "pack", n as u32, BLOCK, &[nn, p(l.tag), p(l.len), p(l.off), p(l.pages), p(l.rec), p(l.out)])?;
         // Tags, then the n + 1 offsets, come back first; the records once
         // their total is known.
@@ -398,6 +417,11 @@ impl<B: Backend> GpuDecoder<B> {
         let caches = Caches::new(&mut backend, list)?;
         let lane = Lane::new(&mut backend, max)?;
         Ok(GpuDecoder { backend, list: list.clone(), max, caches, lane })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     /// Checks what can be checked on the host without touching the bytes:

@@ -11,7 +11,7 @@ pub const SOURCES: [(&str, &str); 6] = [
 ];
 
 /// Every kernel (`extern "C" __global__`) in the sources.
-pub const KERNELS: [&str; 25] = [
+pub const KERNELS: [&str; 27] = [
     "fill_u32",
     "zero_detect",
     "batch_init",
@@ -34,7 +34,9 @@ pub const KERNELS: [&str; 25] = [
     "dd_dec_prep",
     "dd_plan_dec",
     "dd_dec_refs",
-    "scan_lens",
+    "scan_parts",
+    "scan_sums",
+    "scan_write",
     "pack",
     "dec_copy",
 ];

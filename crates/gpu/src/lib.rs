@@ -28,6 +28,7 @@ mod geometry;
 pub mod kernels;
 pub mod nvcomp;
 pub mod nvrtc;
+pub mod profile;
 pub mod wait;
 
 pub use backend::Backend;
@@ -36,4 +37,5 @@ pub use emu::Emulator;
 pub use encoder::{EncodedBatch, GpuDecoder, GpuEncoder, DEFAULT_BATCH_PAGES};
 pub use error::GpuError;
 pub use geometry::{dedup_sets, split_unique, xbzrle_sets};
+pub use profile::Profile;
 pub use wait::WaitPolicy;
