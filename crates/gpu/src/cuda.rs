@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 
 use crate::backend::{Arg, Backend, DevPtr, Packed};
+use crate::error::check;
 use crate::profile::{Profile, Timer};
 use crate::wait::{SleepMin, WaitPolicy};
 use crate::{kernels, GpuError};
@@ -37,14 +38,6 @@ impl Default for CudaOptions {
             wait: WaitPolicy::default(),
             profile: false,
         }
-    }
-}
-
-pub(crate) fn check(call: &'static str, rc: sys::CUresult) -> Result<(), GpuError> {
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(GpuError::Driver { call, code: format!("{rc:?}") })
     }
 }
 
