@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys;
 
 use crate::backend::{Arg, Backend, DevPtr, Packed};
-use crate::error::check;
+use crate::driver::check;
+pub use crate::driver::driver_present;
 use crate::profile::{Profile, Timer};
 use crate::wait::{SleepMin, WaitPolicy};
 use crate::{kernels, GpuError};
@@ -39,13 +40,6 @@ impl Default for CudaOptions {
             profile: false,
         }
     }
-}
-
-/// True when libcuda can be loaded (probed before any cudarc call, which
-/// would panic without it).
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen libcuda under its usual names.
-    unsafe { sys::is_culib_present() }
 }
 
 struct Lane {

@@ -1,6 +1,5 @@
 //! Errors of the GPU backend.
 
-use cudarc::driver::sys;
 use tsubame_codec::CodecError;
 
 /// What went wrong on the way to, or on, the GPU.
@@ -74,13 +73,4 @@ pub enum GpuError {
     /// A record the decoder rejected.
     #[error(transparent)]
     Codec(#[from] CodecError),
-}
-
-/// A CUDA driver call's result as a `Result` (`GpuError::Driver` names it).
-pub(crate) fn check(call: &'static str, rc: sys::CUresult) -> Result<(), GpuError> {
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(GpuError::Driver { call, code: format!("{rc:?}") })
-    }
 }

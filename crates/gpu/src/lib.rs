@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod cuda;
+mod driver;
 pub mod emu;
 mod encoder;
 mod error;

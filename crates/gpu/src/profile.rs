@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use crate::error::check;
+use crate::driver::check;
 use crate::GpuError;
 
 /// Device time per kernel or copy, and the host's time.

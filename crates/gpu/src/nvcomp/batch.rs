@@ -16,8 +16,8 @@ use cudarc::driver::sys;
 
 use super::compressed::Compressed;
 use super::library::{Api, Launch, Nvcomp, NvcompAlgo};
-use crate::cuda::driver_present;
-use crate::error::check;
+use crate::driver::check;
+use crate::driver::driver_present;
 use crate::GpuError;
 
 /// Chunk slots are aligned to at least this.
