@@ -70,15 +70,16 @@ result "gpu_bench: exit ${PIPESTATUS[0]}, $(wc -l <"$OUT/bench.jsonl") lines"
 
 # 3. Migrations with --gpu (the real engine replaying a kv trace into a
 # memory-only destination; the digest is verified at the end), each wait
-# policy, and the CPU codecs for comparison.
-for mode in cpu spin sleep-min blocking; do
+# policy, and the CPU codecs for comparison; then zstd over the frames,
+# on the CPU and with --gpu (nvCOMP where the first frames measured it
+# faster).
+replay() {
+    local mode=$1
+    shift
     step "replay $mode"
-    gpu=(--gpu --gpu-wait "$mode")
-    [ "$mode" = cpu ] && gpu=()
-    json=/tmp/replay-$mode.json
+    local json=/tmp/replay-$mode.json
     rm -f "$json"
-    timeout 60 .gpu/bin/tsubame replay --trace .gpu/kv.trace --postcopy off --codec zero,xbzrle,dedup,rle \
-        --encode-threads 2 "${gpu[@]}" --json "$json"
+    timeout 60 .gpu/bin/tsubame replay --trace .gpu/kv.trace --postcopy off --encode-threads 2 "$@" --json "$json"
     python3 - "$mode" "$json" "$OUT/replay.jsonl" <<'PY' | tee -a "$summary"
 import json, sys
 mode, path, out = sys.argv[1:]
@@ -92,14 +93,24 @@ if s.get("status") != "completed" or "pipeline" not in s:
     sys.exit()
 encode = next(st for st in s["pipeline"]["stages"] if st["name"] == "encode")
 gb = s["pages_sent"] * 4096 / 1e9
+frames = next((f"{c['chose']} ({c['why']})" for c in s["choices"] if c["what"] == "frame compression"), "-")
 row = {"mode": mode, "status": s["status"], "digest_verified": s["digest_verified"],
        "total_time_ms": s["total_time_ms"], "downtime_ms": s["downtime_ms"], "gb_encoded": gb,
-       "encode_cpu_s": encode["cpu_seconds"], "encode_cpu_s_per_gb": encode["cpu_seconds"] / gb,
-       "source_cpu_s": s["cpu_seconds"]["source"], "iterations": s["iterations"]}
+       "bytes_on_wire": s["bytes_on_wire"], "encode_cpu_s": encode["cpu_seconds"],
+       "encode_cpu_s_per_gb": encode["cpu_seconds"] / gb, "source_cpu_s": s["cpu_seconds"]["source"],
+       "iterations": s["iterations"], "frame_compression": frames}
 open(out, "a").write(json.dumps(row) + "\n")
 print(f"replay {mode}: {row['status']}, digest verified {row['digest_verified']}, {row['total_time_ms']:.0f} ms, "
-      f"encode {row['encode_cpu_s']:.2f} CPU-s for {gb:.2f} GB ({row['encode_cpu_s_per_gb']:.2f} CPU-s/GB)")
+      f"{row['bytes_on_wire'] / 2**20:.0f} MiB sent, encode {row['encode_cpu_s']:.2f} CPU-s for {gb:.2f} GB "
+      f"({row['encode_cpu_s_per_gb']:.2f} CPU-s/GB); frames: {frames}")
 PY
+}
+codecs=zero,xbzrle,dedup,rle
+replay cpu --codec $codecs
+for wait in spin sleep-min blocking; do
+    replay "$wait" --codec $codecs --gpu --gpu-wait "$wait"
 done
+replay cpu-zstd --codec zero,xbzrle,rle,zstd
+replay gpu-zstd --codec zero,xbzrle,rle,zstd --gpu --gpu-wait blocking
 step "done"
 cat "$summary"

@@ -142,7 +142,10 @@ impl ShardEncoder {
             }),
             sample_start: setup.granularity.auto.then_some((0, 0)),
             dropped: None,
-            packer: codecs.batch.map(FramePacker::new),
+            packer: codecs.batch.map(|codec| match setup.gpu {
+                Some(GpuOffload::Cuda(_)) => FramePacker::with_gpu(codec),
+                _ => FramePacker::new(codec),
+            }),
             encoder: PageEncoder::new(&codecs),
             builder: PagesBuilder::new(RECORDS_PER_FRAME),
             codec_buf: Vec::with_capacity(2 * PAGE_SIZE),
@@ -359,6 +362,12 @@ impl ShardEncoder {
             }
         }
         protocol::write_frame(out, FrameKind::Pages, payload).expect("Vec writes");
+    }
+
+    /// With `--gpu` and a frame compressor: where frames were compressed,
+    /// and why.
+    pub fn frame_choice(&self) -> Option<&(String, String)> {
+        self.packer.as_ref()?.gpu_choice()
     }
 
     /// Per-codec counters.

@@ -259,6 +259,10 @@ impl Link {
             sub.regions_repaired = stats.regions_repaired;
         }
         choices::granularity_choice(&mut stats.choices, options, stats.subpage.as_ref());
+        if let Some((chose, why)) = encoders.iter().find_map(|e| e.frame_choice()) {
+            let what = "frame compression".to_string();
+            stats.choices.push(crate::stats::Choice { what, chose: chose.clone(), why: why.clone() });
+        }
         stats.pipeline = Some(pipeline);
         writers
     }
