@@ -63,6 +63,9 @@ pub struct Cuda {
     allocations: Vec<sys::CUdeviceptr>,
     policy: WaitPolicy,
     sleep_min: SleepMin,
+    /// When the host last saw a lane's work end: a batch queued behind
+    /// another lane's starts on the device no earlier.
+    last_done: Option<Instant>,
     timer: Option<Timer>,
     _module: sys::CUmodule,
 }
@@ -153,6 +156,7 @@ impl Cuda {
                 allocations: Vec::new(),
                 policy: options.wait,
                 sleep_min: SleepMin::default(),
+                last_done: None,
                 timer: options.profile.then(|| Timer::new(options.lanes.max(1))),
                 _module: module,
             })
@@ -190,9 +194,20 @@ impl Cuda {
 
     /// Waits for everything queued on `lane`, per the wait policy.
     fn wait_for(&mut self, lane: usize) -> Result<(), GpuError> {
+        let result = self.wait_per_policy(lane);
+        self.last_done = Some(Instant::now());
+        result
+    }
+
+    fn wait_per_policy(&mut self, lane: usize) -> Result<(), GpuError> {
         let policy = self.policy;
         let l = &mut self.lanes[lane];
-        let started = l.started.take();
+        // sleep-min's clock starts when the batch could start on the
+        // device: its submission, or the end of the batch it queued
+        // behind. From the submission alone, a batch behind another lane's
+        // had used up the shortest time before its wait began, and
+        // sleep-min never slept (the H200 runs: as much CPU as spin).
+        let started = l.started.take().map(|t| self.last_done.map_or(t, |d| t.max(d)));
         let event = if policy == WaitPolicy::Blocking { l.blocking } else { l.done };
         // SAFETY: live event and stream.
         check("cuEventRecord", unsafe { sys::cuEventRecord(event, l.stream) })?;
