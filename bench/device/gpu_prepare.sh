@@ -39,16 +39,23 @@ for name in gpu gpu_workloads no_gpu; do
     [ -x ".gpu/bin/test-$name" ] || fail "the $name test binary was not built"
 done
 
-# nvCOMP: the wheel is cached under target/ (pip download once).
-wheels=target/gpu-wheels
-if ! ls "$wheels"/nvidia_libnvcomp_cu13-*.whl >/dev/null 2>&1; then
-    mkdir -p "$wheels"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_17_x86_64 -d "$wheels" "$NVCOMP_WHEEL" ||
-        fail "pip could not download $NVCOMP_WHEEL (nvCOMP's library for the GPU machine)"
-fi
-python3 - "$wheels" <<'PY'
+# nvCOMP: from the wheel scripts/setup.sh installed (optional there), else
+# downloaded once into target/.
+installed=$(python3 -c 'import glob, nvidia.libnvcomp as m
+print(next(iter(glob.glob(m.__path__[0] + "/lib64/libnvcomp.so.6")), ""))' 2>/dev/null || true)
+if [ -n "$installed" ] && python3 -c "import importlib.metadata as m, sys
+sys.exit(m.version('nvidia-libnvcomp-cu13') != '${NVCOMP_WHEEL#*==}')" 2>/dev/null; then
+    cp "$installed" .gpu/lib/libnvcomp.so.6
+else
+    wheels=target/gpu-wheels
+    if ! ls "$wheels"/nvidia_libnvcomp_cu13-*.whl >/dev/null 2>&1; then
+        mkdir -p "$wheels"
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+            --platform manylinux_2_17_x86_64 -d "$wheels" "$NVCOMP_WHEEL" ||
+            fail "pip could not download $NVCOMP_WHEEL (nvCOMP's library for the GPU machine)"
+    fi
+    python3 - "$wheels" <<'PY'
 import glob, sys, zipfile
 wheel = sorted(glob.glob(sys.argv[1] + "/nvidia_libnvcomp_cu13-*.whl"))[-1]
 with zipfile.ZipFile(wheel) as z:
@@ -56,6 +63,7 @@ with zipfile.ZipFile(wheel) as z:
     with z.open(name) as src, open(".gpu/lib/libnvcomp.so.6", "wb") as dst:
         dst.write(src.read())
 PY
+fi
 
 # Pages of every workload, and a 3-s trace of a 512-MiB kv guest.
 python3 bench/device/sample_pages.py target/release/tsubame .gpu/pages

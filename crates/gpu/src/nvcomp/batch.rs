@@ -351,19 +351,9 @@ impl NvcompBatch {
                 self.upload(self.d.comp_sizes, self.h.comp_sizes.cast(), n * 8)?;
             }
             self.ensure_temp_for(false, n)?;
-            let launch = Launch {
-                src_ptrs: self.d.packed_ptrs,
-                src_bytes: self.d.comp_sizes,
-                dst_ptrs: self.d.input_ptrs,
-                dst_capacity: self.d.chunk_sizes,
-                dst_bytes: self.d.actual_sizes,
-                statuses: self.d.statuses,
-                temp: self.d.temp,
-                temp_bytes: self.temp_bytes,
-                chunks: n,
-                chunk_bytes: self.chunk_bytes,
-                stream: self.stream,
-            };
+            let d = &self.d;
+            let launch =
+                self.launch_args(n, [d.packed_ptrs, d.comp_sizes], [d.input_ptrs, d.chunk_sizes, d.actual_sizes]);
             // SAFETY: every array of `launch` was allocated for
             // `max_chunks >= n` entries in this context; the packed chunks
             // are at `align`-aligned offsets of a 256-aligned buffer; the
@@ -472,25 +462,32 @@ impl NvcompBatch {
             return Ok(());
         }
         self.ensure_temp_for(true, n)?;
-        let launch = Launch {
-            src_ptrs: self.d.input_ptrs,
-            src_bytes: self.d.chunk_sizes,
-            dst_ptrs: self.d.output_ptrs,
-            dst_capacity: 0,
-            dst_bytes: self.d.comp_sizes,
-            statuses: self.d.statuses,
-            temp: self.d.temp,
-            temp_bytes: self.temp_bytes,
-            chunks: n,
-            chunk_bytes: self.chunk_bytes,
-            stream: self.stream,
-        };
+        let d = &self.d;
+        let launch = self.launch_args(n, [d.input_ptrs, d.chunk_sizes], [d.output_ptrs, 0, d.comp_sizes]);
         // SAFETY: every array was allocated for `max_chunks >= n` entries
         // in this context; the input slots hold `chunk_bytes` each at
         // `in_stride`, the output slots `max_out` each at `out_stride`,
         // both multiples of nvCOMP's alignment from 256-aligned bases; the
         // temp buffer has `temp_bytes`, at least nvCOMP's size for `n`.
         unsafe { self.api.compress(&launch) }
+    }
+
+    /// A call over the first `n` slots: `src` is (pointers, sizes), `dst`
+    /// is (pointers, capacities or 0 when compressing, sizes written).
+    fn launch_args(&self, n: usize, src: [sys::CUdeviceptr; 2], dst: [sys::CUdeviceptr; 3]) -> Launch {
+        Launch {
+            src_ptrs: src[0],
+            src_bytes: src[1],
+            dst_ptrs: dst[0],
+            dst_capacity: dst[1],
+            dst_bytes: dst[2],
+            statuses: self.d.statuses,
+            temp: self.d.temp,
+            temp_bytes: self.temp_bytes,
+            chunks: n,
+            chunk_bytes: self.chunk_bytes,
+            stream: self.stream,
+        }
     }
 
     /// Makes the temp buffer at least what nvCOMP asks for `n` chunks.
