@@ -1,7 +1,8 @@
 #!/bin/bash
-# Issue 53's check on a lent GPU machine, in one device call (about 4
-# minutes; each step has its own time limit, 8 minutes in all). Run
-# bench/device/gpu_prepare.sh here first, then
+# Issue 53's check on a lent GPU machine, in one device call (about 2.5
+# minutes on the H200; each step has its own time limit, and none runs
+# past BUDGET seconds, 480 by default). Run bench/device/gpu_prepare.sh
+# here first, then
 #   run(command='bash bench/device/gpu_check.sh', carry=['.gpu'], timeout_s=540)
 # Everything comes back under $OUT: check.log (all output), bench.jsonl
 # (gpu_bench), replay.jsonl (one line per `tsubame replay` run), and
@@ -13,6 +14,13 @@ root=$PWD
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 exec > >(tee -a "$OUT/check.log") 2>&1
 summary=$OUT/summary.txt
+deadline=$((SECONDS + ${BUDGET:-480}))
+# A step's time limit: its own, or what is left of the budget (5 s at least).
+limit() {
+    local left=$((deadline - SECONDS))
+    ((left < 5)) && left=5
+    echo $(($1 < left ? $1 : left))
+}
 step() { echo "== $(date +%T) $*"; }
 result() { echo "$*" | tee -a "$summary"; }
 
@@ -54,7 +62,7 @@ gpu_test() {
     local name=$1
     shift
     step "test $name"
-    timeout 150 "$@" --nocapture --test-threads=4
+    timeout "$(limit 150)" "$@" --nocapture --test-threads=4
     local rc=$?
     result "test $name: $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)")"
 }
@@ -65,7 +73,7 @@ gpu_test gpu_workloads .gpu/bin/test-gpu_workloads
 
 # 2. Throughput per codec against one CPU core, the wait policies, nvCOMP.
 step "gpu_bench"
-timeout 150 .gpu/bin/gpu_bench 65536 | tee "$OUT/bench.jsonl"
+timeout "$(limit 150)" .gpu/bin/gpu_bench 65536 | tee "$OUT/bench.jsonl"
 result "gpu_bench: exit ${PIPESTATUS[0]}, $(wc -l <"$OUT/bench.jsonl") lines"
 
 # 3. Migrations with --gpu (the real engine replaying a kv trace into a
@@ -79,7 +87,7 @@ replay() {
     step "replay $mode"
     local json=/tmp/replay-$mode.json
     rm -f "$json"
-    timeout 60 .gpu/bin/tsubame replay --trace .gpu/kv.trace --postcopy off --encode-threads 2 "$@" --json "$json"
+    timeout "$(limit 60)" .gpu/bin/tsubame replay --trace .gpu/kv.trace --postcopy off --encode-threads 2 "$@" --json "$json"
     python3 - "$mode" "$json" "$OUT/replay.jsonl" <<'PY' | tee -a "$summary"
 import json, sys
 mode, path, out = sys.argv[1:]
