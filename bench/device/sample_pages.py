@@ -13,29 +13,24 @@ usage: sample_pages.py TSUBAME DIR [--pages N] [--memory SIZE]
 """
 
 import argparse
-import json
 import lzma
 import os
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tsubame_bench.control import control_request  # noqa: E402
+
 PAGE = 4096
 WORKLOADS = ["kv", "bwmem", "sparse", "fill-random", "zero-clear", "stream", "fill-zero", "idle"]
 
 
 def ask(path, request):
-    """One request on tsubame's own control form; the reply's fields."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(60)
-        s.connect(path)
-        reader = s.makefile("rb")
-        reader.readline()  # the greeting
-        s.sendall(json.dumps(request).encode() + b"\n")
-        reply = json.loads(reader.readline())
+    """One request on tsubame's own control form; fails on an error reply."""
+    reply = control_request(path, request, timeout_s=60)
     if not reply.get("ok"):
         raise RuntimeError(f"{request['cmd']}: {reply.get('error')}")
     return reply

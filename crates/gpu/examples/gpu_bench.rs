@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::nvcomp::{Nvcomp, NvcompAlgo, NvcompBatch};
-use tsubame_gpu::{cuda, Cuda, CudaOptions, EncodedBatch, GpuDecoder, GpuEncoder, GpuError, WaitPolicy};
+use tsubame_gpu::{cuda, Backend, Cuda, CudaOptions, EncodedBatch, GpuDecoder, GpuEncoder, GpuError, WaitPolicy};
 
 /// This process's CPU seconds (user + system), from /proc/self/stat.
 fn cpu_seconds() -> f64 {
@@ -104,18 +104,7 @@ fn main() {
             let mut enc = GpuEncoder::new(open(), &list, 1024).unwrap();
             let mut dec = GpuDecoder::new(open(), &list, 1024).unwrap();
             let device = enc.backend().name().to_string();
-            // Compared after the clock stops: a comparison of 1 GiB is host
-            // time the GPU path would not spend.
-            let (t0, c0) = (Instant::now(), cpu_seconds());
-            let encoded: Vec<_> = inputs.iter().map(|(idx, d)| enc.encode_batch(d, idx).unwrap()).collect();
-            let (enc_s, enc_cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
-            let mut same = encoded == batches;
-            drop(encoded);
-            let (t0, c0) = (Instant::now(), cpu_seconds());
-            let decoded: Vec<_> = batches.iter().map(|b| dec.decode_batch(b).unwrap()).collect();
-            let (dec_s, dec_cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
-            same &= decoded.iter().zip(&inputs).all(|(p, (_, d))| p == d);
-            drop(decoded);
+            let RoundTrip { same, enc_s, enc_cpu, dec_s, dec_cpu } = round_trip(&mut enc, &mut dec, &inputs, &batches);
             println!(
                 "{{\"device\":\"{device}\",\"codecs\":\"{spec}\",\"wait\":\"{wait}\",\"gb\":{gb:.3},\"identical\":{same},\
                  \"cpu_encode_gbps\":{:.3},\"cpu_decode_gbps\":{:.3},\"gpu_encode_gbps\":{:.3},\"gpu_decode_gbps\":{:.3},\
@@ -139,6 +128,36 @@ fn main() {
     }
 }
 
+/// One pass of the GPU both ways over the inputs: seconds and CPU-seconds
+/// each way, and whether every record and page came out as `want`.
+struct RoundTrip {
+    same: bool,
+    enc_s: f64,
+    enc_cpu: f64,
+    dec_s: f64,
+    dec_cpu: f64,
+}
+
+fn round_trip<B: Backend>(
+    enc: &mut GpuEncoder<B>,
+    dec: &mut GpuDecoder<B>,
+    inputs: &[(Vec<u64>, Vec<u8>)],
+    want: &[EncodedBatch],
+) -> RoundTrip {
+    // Compared after the clock stops: a comparison of 1 GiB is host time
+    // the GPU path would not spend.
+    let (t0, c0) = (Instant::now(), cpu_seconds());
+    let encoded: Vec<_> = inputs.iter().map(|(idx, d)| enc.encode_batch(d, idx).unwrap()).collect();
+    let (enc_s, enc_cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+    let mut same = encoded == want;
+    drop(encoded);
+    let (t0, c0) = (Instant::now(), cpu_seconds());
+    let decoded: Vec<_> = want.iter().map(|b| dec.decode_batch(b).unwrap()).collect();
+    let (dec_s, dec_cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+    same &= decoded.iter().zip(inputs).all(|(p, (_, d))| p == d);
+    RoundTrip { same, enc_s, enc_cpu, dec_s, dec_cpu }
+}
+
 /// Where the time goes with `batch` pages per submit: each kernel and copy
 /// timed on the device, the host's staging copies and waits; the kernels'
 /// own throughput (the pages already on the device) against one CPU core.
@@ -158,16 +177,7 @@ fn profile_line(
         (Ok(a), Ok(b)) => (GpuEncoder::new(a, list, batch).unwrap(), GpuDecoder::new(b, list, batch).unwrap()),
         (Err(e), _) | (_, Err(e)) => return println!("{{\"profile\":\"{spec}\",\"error\":\"{e}\"}}"),
     };
-    let t0 = Instant::now();
-    let encoded: Vec<_> = inputs.iter().map(|(idx, d)| enc.encode_batch(d, idx).unwrap()).collect();
-    let enc_s = t0.elapsed().as_secs_f64();
-    let mut same = encoded == want;
-    drop(encoded);
-    let t0 = Instant::now();
-    let decoded: Vec<_> = want.iter().map(|b| dec.decode_batch(b).unwrap()).collect();
-    let dec_s = t0.elapsed().as_secs_f64();
-    same &= decoded.iter().zip(inputs).all(|(p, (_, d))| p == d);
-    drop(decoded);
+    let RoundTrip { same, enc_s, dec_s, .. } = round_trip(&mut enc, &mut dec, inputs, want);
     let (ep, dp) = (enc.backend().profile().unwrap(), dec.backend().profile().unwrap());
     println!(
         "{{\"profile\":\"{spec}\",\"batch_pages\":{batch},\"identical\":{same},\"encode_gbps\":{:.3},\"decode_gbps\":{:.3},\

@@ -8,15 +8,7 @@ mod common;
 use common::*;
 use tsubame_codec::{PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::nvcomp::{Compressed, Nvcomp, NvcompAlgo, NvcompBatch};
-use tsubame_gpu::{cuda, Cuda, CudaOptions, GpuDecoder, GpuEncoder, GpuError, WaitPolicy};
-
-fn gpu(wait: WaitPolicy) -> Option<Cuda> {
-    if !cuda::driver_present() {
-        tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", "no CUDA driver");
-        return None;
-    }
-    Some(Cuda::open(CudaOptions { wait, ..Default::default() }).unwrap_or_else(|e| panic!("{e}")))
-}
+use tsubame_gpu::{cuda, GpuDecoder, GpuEncoder, GpuError, WaitPolicy};
 
 #[test]
 fn gpu_matches_the_cpu_codecs_on_10000_pages() {

@@ -10,15 +10,7 @@ mod common;
 use common::recorded::{identical_to_cpu, recorded, same_every_time};
 use common::*;
 use tsubame_codec::CodecList;
-use tsubame_gpu::{cuda, Cuda, CudaOptions, GpuDecoder, GpuEncoder, WaitPolicy};
-
-fn gpu() -> Option<Cuda> {
-    if !cuda::driver_present() {
-        tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", "no CUDA driver");
-        return None;
-    }
-    Some(Cuda::open(CudaOptions { wait: WaitPolicy::Blocking, ..Default::default() }).unwrap_or_else(|e| panic!("{e}")))
-}
+use tsubame_gpu::{GpuDecoder, GpuEncoder, WaitPolicy};
 
 /// The synthetic lists, and every codec the CPU chooser can pick at once.
 fn workload_lists() -> Vec<CodecList> {
@@ -29,7 +21,7 @@ fn workload_lists() -> Vec<CodecList> {
 
 #[test]
 fn gpu_matches_the_cpu_codecs_on_every_workloads_pages() {
-    let Some(mut encode_gpu) = gpu() else { return };
+    let Some(mut encode_gpu) = gpu(WaitPolicy::Blocking) else { return };
     let Some(dir) = std::env::var_os("TSUBAME_GPU_PAGES") else {
         tsubame_testkit::skip_unless_required(
             "TSUBAME_REQUIRE_GPU",
@@ -37,7 +29,7 @@ fn gpu_matches_the_cpu_codecs_on_every_workloads_pages() {
         );
         return;
     };
-    let mut decode_gpu = gpu().unwrap();
+    let mut decode_gpu = gpu(WaitPolicy::Blocking).unwrap();
     let workloads = recorded(std::path::Path::new(&dir));
     let mut failures = Vec::new();
     for (name, batches) in &workloads {
@@ -63,14 +55,14 @@ fn gpu_matches_the_cpu_codecs_on_every_workloads_pages() {
 
 #[test]
 fn every_kernel_gives_the_same_bytes_on_every_run() {
-    if gpu().is_none() {
+    if gpu(WaitPolicy::Blocking).is_none() {
         return;
     }
     let trials = std::env::var("TSUBAME_RACE_TRIALS").ok().and_then(|t| t.parse().ok()).unwrap_or(100);
     for (k, list) in workload_lists().into_iter().enumerate() {
         // A fresh device per list: each trial's caches stay allocated
         // until the device is dropped.
-        let mut device = gpu().unwrap();
+        let mut device = gpu(WaitPolicy::Blocking).unwrap();
         let batches = workload(k as u64 + 31, 2000, 3);
         same_every_time(&mut device, &list, &batches, 1024, trials).unwrap_or_else(|e| panic!("{e}"));
         println!("{list}: {trials} runs of 3 batches of ~2000 pages, every record and page identical");

@@ -3,6 +3,17 @@
 
 pub mod recorded;
 
+/// The GPU, opened with `wait`; None (the test skipped) without a CUDA
+/// driver, which fails it under `TSUBAME_REQUIRE_GPU=1`.
+pub fn gpu(wait: tsubame_gpu::WaitPolicy) -> Option<tsubame_gpu::Cuda> {
+    if !tsubame_gpu::cuda::driver_present() {
+        tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", "no CUDA driver");
+        return None;
+    }
+    let options = tsubame_gpu::CudaOptions { wait, ..Default::default() };
+    Some(tsubame_gpu::Cuda::open(options).unwrap_or_else(|e| panic!("{e}")))
+}
+
 use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
 use tsubame_gpu::EncodedBatch;
 
