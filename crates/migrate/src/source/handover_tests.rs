@@ -268,10 +268,16 @@ fn a_guest_writing_in_runs_far_above_its_share_is_handed_over_at_the_first_look(
         }
     };
     let mut w = watch(12);
+    assert!(w.before_first_look(1e9), "no look yet");
+    assert!(!w.before_first_look(0.0), "the link's rate unknown: no look to wait for");
     assert!(w.handover(1e9, 65536, &mut DirtyBitmap::new(65536), runs(8), |_| false, |_| 1.0), "in runs");
+    assert!(!w.before_first_look(1e9), "looked");
     assert!(w.why().contains("in runs"), "{}", w.why());
     // Before the look's 10 ms, or under three tenths of the link, it waits.
-    assert!(!watch(6).handover(1e9, 65536, &mut DirtyBitmap::new(65536), runs(8), |_| false, |_| 1.0), "6 ms");
+    let mut early = watch(6);
+    assert!(!early.handover(1e9, 65536, &mut DirtyBitmap::new(65536), runs(8), |_| false, |_| 1.0), "6 ms");
+    assert!(early.before_first_look(1e9), "a look of 6 ms is not the first");
+    assert!(!watch(25).before_first_look(1e9), "out twice the look: no longer waiting");
     assert!(!watch(12).handover(1e10, 65536, &mut DirtyBitmap::new(65536), runs(8), |_| false, |_| 1.0), "10 GB/s");
     // The same pages scattered over each word: no early look.
     let scattered = |d: &mut DirtyBitmap| {

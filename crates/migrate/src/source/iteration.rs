@@ -46,6 +46,8 @@ const LINK_WAIT: Duration = Duration::from_millis(100);
 const LINK_MEASURED: Duration = Duration::from_millis(100);
 /// How long it waits for the link between two looks at the guest.
 const LOOK_STEP: Duration = Duration::from_millis(5);
+/// How long it sleeps between looks until the first look is due.
+const FIRST_LOOK_STEP: Duration = Duration::from_millis(1);
 
 /// Which pass [`send_dirty`] makes.
 pub(super) enum Pass<'a> {
@@ -165,6 +167,13 @@ pub(super) fn send_dirty(
                     wire_share,
                 ) {
                     break true;
+                }
+                if watch.before_first_look(link_rate) {
+                    // Nothing goes before the first look: a guest it hands
+                    // over then leaves no pages in flight to install
+                    // before the switch.
+                    std::thread::sleep(FIRST_LOOK_STEP);
+                    continue;
                 }
                 let step = LINK_WAIT.saturating_sub(waiting.elapsed()).min(LOOK_STEP);
                 if link.engine().wait_for_link(link_rate, LINK_LEAD, step) || step < LOOK_STEP {
