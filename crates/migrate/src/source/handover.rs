@@ -25,9 +25,9 @@ const FAR_FROM_CONVERGING: f64 = 2.0;
 /// rate halves as the look doubles): then [`NOT_CONVERGING`] suffices.
 const STEADY: f64 = 0.8;
 /// How often a long first iteration checks the guest's dirtying, and how
-/// often while the probes look (each check reads the dirty log).
-/// (Every 10 ms came as every ~12 with the look's own work: the 25-ms
-/// look fell at 36 ms.)
+/// often while the probes look (each check reads the dirty log; at 10 ms
+/// the looks came every ~12 with their own work, and the 25-ms look at
+/// 36 ms).
 const CHECK_EVERY: Duration = Duration::from_millis(50);
 const PROBE_CHECK_EVERY: Duration = Duration::from_millis(5);
 /// One word (64 pages) of the dirty log in this many is a probe.
@@ -203,8 +203,8 @@ impl HandoverWatch {
     /// `is_zero` reads a page) at [`NOT_CONVERGING`] of the link's rate
     /// over [`PROBE_LOOK`] and steadily since half of it (in runs: at
     /// [`RUNS_HANDOVER`], or after [`RUNS_LOOK`] at [`RUNS_MARGIN`] times
-    /// that), or sooner at [`FAR_FROM_CONVERGING`] times it and more than [`PROBE_MARGIN`]
-    /// times what the link carries in the downtime limit (then no
+    /// that), or sooner at [`FAR_FROM_CONVERGING`] times it and more than
+    /// [`PROBE_MARGIN`] times what the link carries in the downtime limit (then no
     /// iteration can ever end with less than that dirty), or the pages out
     /// for about [`EXPOSURE`] show it dirtying memory at [`NOT_CONVERGING`] of
     /// `link` bytes per second or more, or those out for about twice
