@@ -73,22 +73,8 @@ fn handover_at_the_first_look_when_the_guest_dirties_more_than_the_limit_carries
     // limit. The probes were cleared 40 ms ago (less than a look:
     // only a guest that no stop could keep up with counts); `share` of
     // each unsent one's pages is dirty again.
-    let watch = |limit_ms: u64| {
-        let mut watch = HandoverWatch::new(Duration::from_millis(limit_ms));
-        let mask = watch.probe(&DirtyBitmap::full(65536));
-        assert_eq!(mask.iter().filter(|&&w| w == u64::MAX).count(), 1024 / PROBE_EVERY);
-        watch.probed_at = std::time::Instant::now() - Duration::from_millis(40);
-        watch.last_check = watch.probed_at;
-        watch
-    };
-    let mark = |share: u32| {
-        move |d: &mut DirtyBitmap| {
-            for w in (0..1024).step_by(PROBE_EVERY) {
-                d.words_mut()[w] = (1u64 << share) - 1;
-            }
-            true
-        }
-    };
+    let watch = |limit_ms: u64| probes_out(limit_ms, 40);
+    let mark = first_of_each_probe;
     // Half of them: 134 MB in 40 ms.
     let mut w = watch(300);
     assert!(w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32), |_| false, |_| 1.0), "134 MB in 40 ms");
@@ -234,6 +220,28 @@ fn runs_sent_at(at: std::time::Instant) -> HandoverWatch {
     watch
 }
 
+/// A watch (`limit_ms` limit) over 64 Ki pages whose probes were cleared
+/// `out_ms` ago (a sixteenth of the log's 1024 words).
+fn probes_out(limit_ms: u64, out_ms: u64) -> HandoverWatch {
+    let mut watch = HandoverWatch::new(Duration::from_millis(limit_ms));
+    let mask = watch.probe(&DirtyBitmap::full(65536));
+    assert_eq!(mask.iter().filter(|&&w| w == u64::MAX).count(), 1024 / PROBE_EVERY);
+    watch.probed_at = std::time::Instant::now() - Duration::from_millis(out_ms);
+    watch.last_check = watch.probed_at;
+    watch
+}
+
+/// A look at the log that finds the first `pages` of each probe word
+/// dirtied, in a run.
+fn first_of_each_probe(pages: u32) -> impl Fn(&mut DirtyBitmap) -> bool + Copy {
+    move |d: &mut DirtyBitmap| {
+        for w in (0..1024).step_by(PROBE_EVERY) {
+            d.words_mut()[w] = (1u64 << pages) - 1;
+        }
+        true
+    }
+}
+
 /// A look at the log that finds the first `pages` of each of those runs
 /// dirtied.
 fn first_of_each_run(pages: u64) -> impl Fn(&mut DirtyBitmap) -> bool + Copy {
@@ -252,21 +260,8 @@ fn a_guest_writing_in_runs_far_above_its_share_is_handed_over_at_the_first_look(
     // 256 MiB, probes out 12 ms, each with its first 8 pages dirtied in a
     // run: ~1.4 GB/s of all memory against a 1 GB/s link, three times a
     // tenth of it and more; no earlier look to call it steady.
-    let watch = |ms: u64| {
-        let mut watch = HandoverWatch::new(Duration::from_millis(300));
-        watch.probe(&DirtyBitmap::full(65536));
-        watch.probed_at = std::time::Instant::now() - Duration::from_millis(ms);
-        watch.last_check = watch.probed_at;
-        watch
-    };
-    let runs = |pages: u32| {
-        move |d: &mut DirtyBitmap| {
-            for w in (0..1024).step_by(PROBE_EVERY) {
-                d.words_mut()[w] = (1u64 << pages) - 1;
-            }
-            true
-        }
-    };
+    let watch = |ms: u64| probes_out(300, ms);
+    let runs = first_of_each_probe;
     let mut w = watch(12);
     assert!(w.before_first_look(1e9), "no look yet");
     assert!(!w.before_first_look(0.0), "the link's rate unknown: no look to wait for");
