@@ -3,19 +3,18 @@
 
 pub mod recorded;
 
+use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
+use tsubame_gpu::{cuda, Cuda, CudaOptions, EncodedBatch, WaitPolicy};
+
 /// The GPU, opened with `wait`; None (the test skipped) without a CUDA
 /// driver, which fails it under `TSUBAME_REQUIRE_GPU=1`.
-pub fn gpu(wait: tsubame_gpu::WaitPolicy) -> Option<tsubame_gpu::Cuda> {
-    if !tsubame_gpu::cuda::driver_present() {
+pub fn gpu(wait: WaitPolicy) -> Option<Cuda> {
+    if !cuda::driver_present() {
         tsubame_testkit::skip_unless_required("TSUBAME_REQUIRE_GPU", "no CUDA driver");
         return None;
     }
-    let options = tsubame_gpu::CudaOptions { wait, ..Default::default() };
-    Some(tsubame_gpu::Cuda::open(options).unwrap_or_else(|e| panic!("{e}")))
+    Some(Cuda::open(CudaOptions { wait, ..Default::default() }).unwrap_or_else(|e| panic!("{e}")))
 }
-
-use tsubame_codec::{CodecList, Encoded, PageDecoder, PageEncoder, PAGE_SIZE};
-use tsubame_gpu::EncodedBatch;
 
 /// A deterministic generator (xorshift64*).
 pub struct Rng(pub u64);

@@ -223,7 +223,7 @@ impl HandoverWatch {
         wire_share: impl FnOnce(&[u64]) -> f64,
     ) -> bool {
         let now = std::time::Instant::now();
-        let probing = !self.probes.is_empty() && now - self.probed_at <= self.limit;
+        let probing = self.probing(now);
         let every = if probing { PROBE_CHECK_EVERY } else { CHECK_EVERY };
         let first_due = probing && !self.looked_first && now - self.probed_at >= RUNS_LOOK;
         if (now - self.last_check < every && !first_due) || link <= 0.0 {
@@ -286,8 +286,14 @@ impl HandoverWatch {
     /// Only where the link's rate is known (`link`), and at most twice
     /// [`RUNS_LOOK`] where no look can be taken.
     pub fn before_first_look(&self, link: f64) -> bool {
-        let out = self.probed_at.elapsed();
-        link > 0.0 && !self.probes.is_empty() && !self.looked_first && out < 2 * RUNS_LOOK && out <= self.limit
+        let now = std::time::Instant::now();
+        link > 0.0 && self.probing(now) && !self.looked_first && now - self.probed_at < 2 * RUNS_LOOK
+    }
+
+    /// Whether the probes still look: some were cleared, at most the
+    /// downtime limit ago.
+    fn probing(&self, now: std::time::Instant) -> bool {
+        !self.probes.is_empty() && now - self.probed_at <= self.limit
     }
 
     /// Whether an earlier probe look, over about half of `probe`'s, saw
