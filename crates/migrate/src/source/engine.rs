@@ -143,6 +143,7 @@ impl Engine {
             send: Busy::default(),
             since: Instant::now(),
             for_senders: Default::default(),
+            zero_copy_bytes: batch_pages * PAGE_SIZE,
         });
         let out_capacity = encoded_bytes(batch_pages);
         let zero_copy_senders: Vec<_> = writers.iter().map(|_| Arc::default()).collect();
@@ -379,8 +380,8 @@ impl Engine {
 
     /// Waits (at most `limit`) while the pipeline holds more than a link
     /// of `rate` bytes per second carries in its round trip plus `lead`:
-    /// the encoded batches waiting for their senders and those being
-    /// written (each counted as a whole batch), and what the channels'
+    /// the encoded batches waiting for their senders (their bytes) and
+    /// those being written (each counted as a whole batch), and what the channels'
     /// sockets hold. Where the link is the bottleneck a batch fetched then
     /// goes out within about that time, not behind the whole pipeline's
     /// depth (at 1 Gbit/s its queues and buffers held ~300 ms of pages,
@@ -396,7 +397,7 @@ impl Engine {
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let batch_bytes = self.layout.batch_pages as usize * PAGE_SIZE;
         let ahead = || {
-            let queued = self.queued_for_senders().max(0) as usize * batch_bytes;
+            let queued = self.queued_for_senders().max(0) as usize;
             queued
                 + self
                     .writers
@@ -416,7 +417,8 @@ impl Engine {
         true
     }
 
-    /// Encoded batches waiting for their sender (not those it writes).
+    /// Bytes of the encoded batches waiting for their sender (not those
+    /// it writes).
     fn queued_for_senders(&self) -> i64 {
         self.live.for_senders.load(Ordering::Relaxed)
     }

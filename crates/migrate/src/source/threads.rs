@@ -20,10 +20,27 @@ pub(super) struct LiveBusy {
     pub(super) encode: Busy,
     pub(super) send: Busy,
     pub(super) since: Instant,
-    /// Encoded batches handed to a sender's queue and not taken from it
-    /// yet (counted here: a handle on the queue itself would keep it open
-    /// after its sender stopped, and an encoder would wait on it for ever).
+    /// Bytes of the encoded batches handed to a sender's queue and not
+    /// taken from it yet (counted here: a handle on the queue itself would
+    /// keep it open after its sender stopped, and an encoder would wait on
+    /// it for ever). What they put on the wire, not the pages they hold:
+    /// counted as whole pages, 1024 sparse pages that lz4 shrank to 80 KB
+    /// held a watched first iteration's fetch as if 4 MiB waited.
     pub(super) for_senders: std::sync::atomic::AtomicI64,
+    /// What a zero-copy item counts: its pages go from guest memory, not
+    /// from its buffer (a whole batch's).
+    pub(super) zero_copy_bytes: usize,
+}
+
+impl LiveBusy {
+    /// The bytes `item` counts in [`LiveBusy::for_senders`].
+    pub(super) fn queued_bytes(&self, item: &SendItem) -> i64 {
+        (match item {
+            SendItem::Frames(frames) => frames.len(),
+            SendItem::ZeroCopy(_) => self.zero_copy_bytes,
+            SendItem::End { .. } => 0,
+        }) as i64
+    }
 }
 
 /// What the fetch hands an encoder.
@@ -84,9 +101,10 @@ impl EncodeLoop {
             };
             stats.sample_queue(self.output.len(), &mut samples);
             let start = Instant::now();
-            live.for_senders.fetch_add(1, Ordering::Relaxed);
+            let queued = live.queued_bytes(&item);
+            live.for_senders.fetch_add(queued, Ordering::Relaxed);
             if self.output.send(item).is_err() {
-                live.for_senders.fetch_sub(1, Ordering::Relaxed);
+                live.for_senders.fetch_sub(queued, Ordering::Relaxed);
                 let _ = self.done.send(Err(PipelineError::Stopped));
                 break;
             }
@@ -112,7 +130,7 @@ impl SendLoop {
         loop {
             let start = Instant::now();
             let Ok(item) = self.input.recv() else { break };
-            live.for_senders.fetch_sub(1, Ordering::Relaxed);
+            live.for_senders.fetch_sub(live.queued_bytes(&item), Ordering::Relaxed);
             stats.wait_input_seconds += start.elapsed().as_secs_f64();
             if !matches!(item, SendItem::End { .. }) {
                 stats.items += 1;
