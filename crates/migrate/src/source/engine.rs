@@ -380,9 +380,9 @@ impl Engine {
 
     /// Waits (at most `limit`) while the pipeline holds more than a link
     /// of `rate` bytes per second carries in its round trip plus `lead`:
-    /// the encoded batches waiting for their senders (their bytes) and
-    /// those being written (each counted as a whole batch), and what the channels'
-    /// sockets hold. Where the link is the bottleneck a batch fetched then
+    /// the bytes of the encoded batches waiting for their senders, a whole
+    /// batch for each one being written, and what the channels' sockets
+    /// hold. Where the link is the bottleneck a batch fetched then
     /// goes out within about that time, not behind the whole pipeline's
     /// depth (at 1 Gbit/s its queues and buffers held ~300 ms of pages,
     /// stale by the time they arrived); where fetching or encoding is, the
