@@ -197,9 +197,9 @@ def wss_mismatches(runs):
                 m = re.search(r"\bwss=(\S+)", r.get("guest_banner_source") or "")
                 if m:
                     seen.setdefault(r["vmm"], set()).add(parse_size(m.group(1)))
-        sizes = {vmm: sorted(s) for vmm, s in seen.items()}
-        if len(seen) > 1 and len({tuple(s) for s in sizes.values()}) > 1:
-            told = ", ".join(f"{vmm} {'/'.join(f'{b / 2**20:.0f} MiB' for b in s)}" for vmm, s in sorted(sizes.items()))
+        if len({frozenset(s) for s in seen.values()}) > 1:
+            told = ", ".join(f"{vmm} {'/'.join(f'{b / 2**20:.0f} MiB' for b in sorted(s))}"
+                             for vmm, s in sorted(seen.items()))
             lines.append(f"**{case}: not like for like**: the guest's wss differs between the VMMs ({told}); "
                          "give the case an `args.wss` that fits both.")
     return lines

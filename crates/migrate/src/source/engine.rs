@@ -397,8 +397,7 @@ impl Engine {
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let batch_bytes = self.layout.batch_pages as usize * PAGE_SIZE;
         let ahead = || {
-            let queued = self.queued_for_senders().max(0) as usize;
-            queued
+            self.queued_for_senders().max(0) as usize
                 + self
                     .writers
                     .iter()
