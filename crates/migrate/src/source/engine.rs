@@ -144,6 +144,9 @@ impl Engine {
             since: Instant::now(),
             for_senders: Default::default(),
             zero_copy_bytes: batch_pages * PAGE_SIZE,
+            for_encoders: Default::default(),
+            encoded_in: Default::default(),
+            encoded_out: Default::default(),
         });
         let out_capacity = encoded_bytes(batch_pages);
         let zero_copy_senders: Vec<_> = writers.iter().map(|_| Arc::default()).collect();
@@ -317,8 +320,13 @@ impl Engine {
                 let queue = &to_encoders[batch.shard as usize];
                 self.fetch.sample_queue(queue.len(), &mut self.fetch_samples);
                 let start = Instant::now();
+                let page_bytes = (batch.len() * PAGE_SIZE) as i64;
+                self.live.for_encoders.fetch_add(page_bytes, Ordering::Relaxed);
                 let sent = queue.send(ToEncoder::Batch(batch));
                 self.fetch.wait_output_seconds += start.elapsed().as_secs_f64();
+                if sent.is_err() {
+                    self.live.for_encoders.fetch_sub(page_bytes, Ordering::Relaxed);
+                }
                 sent.map_err(|_| self.stopped())
             }
         }
@@ -380,7 +388,8 @@ impl Engine {
 
     /// Waits (at most `limit`) while the pipeline holds more than a link
     /// of `rate` bytes per second carries in its round trip plus `lead`:
-    /// the bytes of the encoded batches waiting for their senders, a whole
+    /// the pages waiting for the encoders (at what the encoders made of
+    /// pages so far), the bytes of the encoded batches waiting for their senders, a whole
     /// batch for each one being written, and what the channels' sockets
     /// hold. Where the link is the bottleneck a batch fetched then
     /// goes out within about that time, not behind the whole pipeline's
@@ -397,7 +406,8 @@ impl Engine {
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let batch_bytes = self.layout.batch_pages as usize * PAGE_SIZE;
         let ahead = || {
-            self.queued_for_senders().max(0) as usize
+            self.live.for_encoders_on_wire() as usize
+                + self.queued_for_senders().max(0) as usize
                 + self
                     .writers
                     .iter()

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
+use tsubame_vmm::PAGE_SIZE;
 
 use super::busy::{timed, Busy};
 use super::encode::{EncodeStage, SendItem, ShardEncoder};
@@ -30,6 +31,16 @@ pub(super) struct LiveBusy {
     /// What a zero-copy item counts: its pages go from guest memory, not
     /// from its buffer (a whole batch's).
     pub(super) zero_copy_bytes: usize,
+    /// Pages handed to the encoders and not encoded yet, a page's bytes
+    /// each: a fetch that ran ahead of a busy encoder had 5 MB of a kv
+    /// guest's first iteration waiting there, unseen by
+    /// [`super::engine::Engine::wait_for_link`], and a watch that handed
+    /// over at 26 ms switched at 63, once all of it had gone out.
+    pub(super) for_encoders: std::sync::atomic::AtomicI64,
+    /// What the encoders made of the pages so far: bytes of pages in,
+    /// bytes queued out ([`LiveBusy::queued_bytes`]).
+    pub(super) encoded_in: std::sync::atomic::AtomicU64,
+    pub(super) encoded_out: std::sync::atomic::AtomicU64,
 }
 
 impl LiveBusy {
@@ -41,7 +52,25 @@ impl LiveBusy {
             SendItem::End { .. } => 0,
         }) as i64
     }
+
+    /// What the pages waiting for the encoders will likely take on the
+    /// wire: their bytes as the encoders shrank those before, whole until
+    /// [`ENCODED_SAMPLE`] were encoded (a kv guest's first batch, two
+    /// near-empty pages, had its full ones counted at 2 %).
+    pub(super) fn for_encoders_on_wire(&self) -> f64 {
+        let waiting = self.for_encoders.load(Ordering::Relaxed).max(0) as f64;
+        let (into, out) = (self.encoded_in.load(Ordering::Relaxed), self.encoded_out.load(Ordering::Relaxed));
+        if into < ENCODED_SAMPLE {
+            waiting
+        } else {
+            waiting * (out as f64 / into as f64).min(1.0)
+        }
+    }
 }
+
+/// Bytes of pages encoded before their shrinking counts for the pages
+/// waiting for the encoders.
+const ENCODED_SAMPLE: u64 = 1 << 20;
 
 /// What the fetch hands an encoder.
 pub(super) enum ToEncoder {
@@ -80,6 +109,12 @@ impl EncodeLoop {
                     stats.wait_output_seconds += start.elapsed().as_secs_f64();
                     let encoded = timed(&mut stats, &live.encode, || self.stage.batch(&batch, out));
                     stats.items += 1;
+                    let page_bytes = (batch.len() * PAGE_SIZE) as i64;
+                    live.for_encoders.fetch_sub(page_bytes, Ordering::Relaxed);
+                    if let Ok(item) = &encoded {
+                        live.encoded_in.fetch_add(page_bytes as u64, Ordering::Relaxed);
+                        live.encoded_out.fetch_add(live.queued_bytes(item) as u64, Ordering::Relaxed);
+                    }
                     let _ = self.free_batches.send(batch);
                     match encoded {
                         // Nothing changed in the batch (a sub-page guest
@@ -154,5 +189,34 @@ impl SendLoop {
         self.stage.finish();
         stats.cpu_seconds = thread_cpu_seconds() - cpu;
         stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_waiting_for_the_encoders_count_as_the_encoders_shrank_pages_before() {
+        let live = LiveBusy {
+            fetch: Busy::default(),
+            encode: Busy::default(),
+            send: Busy::default(),
+            since: Instant::now(),
+            for_senders: Default::default(),
+            zero_copy_bytes: 0,
+            for_encoders: (4 << 20).into(),
+            encoded_in: Default::default(),
+            encoded_out: Default::default(),
+        };
+        assert_eq!(live.for_encoders_on_wire(), (4 << 20) as f64, "nothing encoded yet: whole pages");
+        // Two near-empty pages shrank 50 times: too few to tell.
+        live.encoded_in.store(2 * PAGE_SIZE as u64, Ordering::Relaxed);
+        live.encoded_out.store(2 * PAGE_SIZE as u64 / 50, Ordering::Relaxed);
+        assert_eq!(live.for_encoders_on_wire(), (4 << 20) as f64);
+        // A sample's worth, halved.
+        live.encoded_in.store(ENCODED_SAMPLE * 2, Ordering::Relaxed);
+        live.encoded_out.store(ENCODED_SAMPLE, Ordering::Relaxed);
+        assert_eq!(live.for_encoders_on_wire(), (2 << 20) as f64);
     }
 }
