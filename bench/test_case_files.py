@@ -173,6 +173,10 @@ def test_bad_case_files(tmp_path):
     path.write_text('[configs]\nq = { vmm = "xen" }\n')
     with pytest.raises(tsubame_bench.HarnessError, match="vmm"):
         load_case_file(str(path))
+    path.write_text('[configs]\nt = { vmm = "tsubame", postcopy_after_passes = 1 }\n'
+                    '[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
+    with pytest.raises(tsubame_bench.HarnessError, match="postcopy_after_\\* is for QEMU"):
+        load_case_file(str(path))
 
 
 def test_postcopy_case_file():
@@ -191,14 +195,6 @@ def test_postcopy_case_file():
     assert not runner.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 1}}, t0)
     assert runner.qemu_postcopy_due(qemu, {"ram": {"dirty-sync-count": 2}}, t0)
     assert runner.qemu_postcopy_due(configs["qemu-postcopy-preempt-now"], {}, t0)
-
-
-def test_postcopy_keys_are_for_qemu(tmp_path):
-    path = tmp_path / "c.toml"
-    path.write_text('[configs]\nt = { vmm = "tsubame", postcopy_after_passes = 1 }\n'
-                    '[[case]]\nname = "x"\nworkload = "idle"\nmemory = "64M"\n')
-    with pytest.raises(tsubame_bench.HarnessError, match="postcopy_after_\\* is for QEMU"):
-        load_case_file(str(path))
 
 
 def test_qemu_settings_of_a_link_case():
