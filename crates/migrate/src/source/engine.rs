@@ -405,11 +405,8 @@ impl Engine {
         let rtt = self.round_trip().unwrap_or_default();
         let window = ((rate * (rtt + lead).as_secs_f64()) as usize).max(MIN_LINK_WINDOW);
         let batch_bytes = self.layout.batch_pages as usize * PAGE_SIZE;
-        // The encoders' queue counts against a link whose rate is known
-        // or measured: against the floor alone (an uncapped link not yet
-        // measured) it held the fetch of `tsubame demo`'s kv guest over
-        // loopback to 1 MB ahead, and its watched iteration sent a third
-        // less before the look that handed it over.
+        // The encoders' queue counts against a known or measured rate:
+        // against the bare floor it held the uncapped demo's fetch to 1 MB.
         let encoding = || if rate > 0.0 { self.live.for_encoders_on_wire() as usize } else { 0 };
         let ahead = || {
             encoding()
