@@ -531,6 +531,9 @@ def test_far_memory_auto(sh):
 # ## Compare with QEMU
 
 
+QEMU_BEST_ON_SMOKE = "qemu-postcopy-preempt-now"
+
+
 @needs_kvm
 def test_compare_with_qemu(sh):
     if os.geteuid() != 0:
@@ -540,17 +543,17 @@ def test_compare_with_qemu(sh):
     out_dir = os.path.join(sh.tmp, "results")
     # Run from the repository root, as README's relative paths say, with two additions: --out a
     # directory of the test's (the default is results/<date> in the checkout), and --configs with
-    # one configuration of each VMM (smoke.toml's nine others, QEMU's other modes and tsubame at
-    # fixed granularities, would take five times as long; the pair is what the tsubame/QEMU table
-    # compares).
-    adapted = (strip_comment(cmd) + f" --out {shlex.quote(out_dir)} --configs qemu-default,tsubame-auto")
+    # one configuration of each VMM: tsubame's default and QEMU's best mode on this case, post-copy
+    # at once, which always ends (QEMU's plain pre-copy took 17 s here and did not converge within
+    # the case's 60 s on a fresh CI host; smoke.toml's other configurations take five times as long).
+    adapted = (strip_comment(cmd) + f" --out {shlex.quote(out_dir)} --configs {QEMU_BEST_ON_SMOKE},tsubame-auto")
     pid, out = sh.run(cmd, adapted=adapted, cwd=ROOT, timeout=480)
     runs = [json.loads(line) for line in read(os.path.join(out_dir, "runs.jsonl")).splitlines() if line.strip()]
-    assert {r["config"] for r in runs} == {"qemu-default", "tsubame-auto"}, runs
+    assert {r["config"] for r in runs} == {QEMU_BEST_ON_SMOKE, "tsubame-auto"}, runs
     for r in runs:
         assert r["status"] == "completed", (r["config"], r.get("error"))
         assert r["vmm_stats"]["status"] == "completed", r["config"]
-    assert "| smoke-kv-512M-1gbit | tsubame-auto | qemu-default |" in out, out[-3000:]
+    assert f"| smoke-kv-512M-1gbit | tsubame-auto | {QEMU_BEST_ON_SMOKE} |" in out, out[-3000:]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"tsb-{pid}-" not in names, f"compare.py left network namespaces behind: {names}"
 
