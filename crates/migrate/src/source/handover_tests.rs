@@ -141,6 +141,10 @@ fn handover_after_a_look_at_data_written_about_as_fast_as_the_link_carries() {
         !watch().handover(300e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0),
         "a faster link"
     );
+    // Scattered at 1.2 times the link: post-copy's faults would cost more
+    // than pre-copy's second sends. In runs it goes.
+    assert!(!watch().handover(200e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0), "1.2×");
+    assert!(watch().handover(200e6, 65536, &mut DirtyBitmap::new(65536), tenth, |_| false, |_| 1.0), "1.2×, runs");
     // Scattered pages that compress to a twentieth cost the link a
     // twentieth; pages written in runs count whole.
     let look = |share: f64, mark: &dyn Fn(&mut DirtyBitmap) -> bool| {
