@@ -40,14 +40,15 @@ const PROBE_MARGIN: f64 = 2.0;
 const PROBE_SEEN: u64 = 16;
 /// Probes out this long that show the guest writing data at
 /// [`SCATTERED_HANDOVER`] of the link's rate (in runs: [`RUNS_HANDOVER`])
-/// hand over even where a stop could fit the limit: each page sent meanwhile that the guest rewrites goes
-/// twice, and post-copy sends each page once. The sooner the better: a kv
-/// guest over 64 MiB at 1 Gbit/s took 0.59 s by post-copy at once, 0.71 by
-/// pre-copy alone, 0.98 handed over after the 250 ms look, having sent 40
-/// MB of which most went again, and 0.70 after a 50 ms look. The rate must
-/// be [`STEADY`] since half the look: a small hot set, which a short look
-/// shows as a fast rate, has it halve as the look doubles (its pages count
-/// once), and pre-copy sends it again at little cost.
+/// hand over even where a stop could fit the limit: each page sent
+/// meanwhile that the guest rewrites goes twice, and post-copy sends each
+/// page once. The sooner the better: a kv guest over 64 MiB at 1 Gbit/s
+/// took 0.59 s by post-copy at once, 0.71 by pre-copy alone, 0.98 handed
+/// over after the 250 ms look, having sent 40 MB of which most went again,
+/// and 0.70 after a 50 ms look. The rate must be [`STEADY`] since half the
+/// look: a small hot set, which a short look shows as a fast rate, has it
+/// halve as the look doubles (its pages count once), and pre-copy sends it
+/// again at little cost.
 const PROBE_LOOK: Duration = Duration::from_millis(25);
 /// A guest writing scattered pages is handed over by the probes' look
 /// only from this share of the link's rate: post-copy costs it a fault on
