@@ -79,20 +79,24 @@ fn handover_at_the_first_look_when_the_guest_dirties_more_than_the_limit_carries
     let mut w = watch(300);
     assert!(w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(32), |_| false, |_| 1.0), "134 MB in 40 ms");
     assert!(w.why().contains("over 40 ms"), "{}", w.why());
-    // A tenth, scattered: 25 MB, which the limit could carry. (In runs
-    // it would go: a guest writing in runs hands over from far less.)
-    let scattered_tenth = |d: &mut DirtyBitmap| {
-        for w in (0..1024).step_by(PROBE_EVERY) {
-            d.words_mut()[w] = (0..6).fold(0, |word, i| word | 1 << (9 * i));
+    // A twentieth, scattered: 12 MB, which the limit carries in under half
+    // of it. (In runs it would go: a guest writing in runs hands over from
+    // far less.) A tenth, 25 MB, would take most of the limit: it goes.
+    let scattered = |n: u32| {
+        move |d: &mut DirtyBitmap| {
+            for w in (0..1024).step_by(PROBE_EVERY) {
+                d.words_mut()[w] = (0..n).fold(0, |word, i| word | 1 << (9 * i));
+            }
+            true
         }
-        true
     };
     let mut w = watch(300);
     assert!(
-        !w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered_tenth, |_| false, |_| 1.0),
-        "25 MB in 40 ms"
+        !w.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered(3), |_| false, |_| 1.0),
+        "12 MB in 40 ms"
     );
-    assert!(watch(300).handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(6), |_| false, |_| 1.0), "in runs");
+    assert!(watch(300).handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered(6), |_| false, |_| 1.0), "25 MB");
+    assert!(watch(300).handover(100e6, 65536, &mut DirtyBitmap::new(65536), mark(3), |_| false, |_| 1.0), "in runs");
     // Probes sent since say nothing: half of them out, their bits
     // (dirtied since) not counted, too few left dirty to count.
     let mut w = watch(300);
@@ -167,12 +171,17 @@ fn handover_after_a_look_at_data_written_about_as_fast_as_the_link_carries() {
     // One page in four holds data: ~60 MB/s.
     let quarter = |p: u64| !p.is_multiple_of(4);
     assert!(!watch().handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, quarter, |_| 1.0), "mostly zeros");
-    // Twice the rate 60 ms before: a hot set, whose pages count once.
+    // Twice the rate 60 ms before: a hot set, whose pages count once, and
+    // which a stop carries in under half a 1-s limit (in 300 ms, not).
     let mut hot = watch_after(490e6);
+    hot.limit = Duration::from_secs(1);
     assert!(!hot.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0), "a hot set");
-    // Without a look at half of it, none.
+    let mut big = watch_after(490e6);
+    assert!(big.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0), "29 MB");
+    // Without a look at half of it, none (under the 1-s limit).
     let mut unseen = watch();
     unseen.probe_looks.clear();
+    unseen.limit = Duration::from_secs(1);
     assert!(
         !unseen.handover(100e6, 65536, &mut DirtyBitmap::new(65536), scattered, |_| false, |_| 1.0),
         "no earlier look"
