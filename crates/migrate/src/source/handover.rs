@@ -48,7 +48,7 @@ const PROBE_SEEN: u64 = 16;
 /// and 0.70 after a 50 ms look. The rate must be [`STEADY`] since half the
 /// look: a small hot set, which a short look shows as a fast rate, has it
 /// halve as the look doubles (its pages count once), and pre-copy sends it
-/// again at little cost.
+/// again at little cost (a large one goes sooner: [`HOT_SET_STOP`]).
 const PROBE_LOOK: Duration = Duration::from_millis(25);
 /// A guest writing scattered pages is handed over by the probes' look
 /// only from this share of the link's rate: post-copy costs it a fault on
@@ -59,14 +59,15 @@ const PROBE_LOOK: Duration = Duration::from_millis(25);
 /// 4-5 iterations under the limit). Nearer the link, the sent runs' longer
 /// looks judge.
 const SCATTERED_HANDOVER: f64 = FAR_FROM_CONVERGING;
-/// A guest dirtying memory at its handover rate whose probes' pages seen
-/// dirty so far would take this share of the downtime limit to send goes
-/// from the first look, without waiting for its rate to prove steady: a
-/// hot set that large (each later iteration sends it again, and the stop
-/// too) is not sent again at little cost. (A kv guest over 64 MiB at 1
-/// Gbit/s showed 18-24 MB in its first 10-15 ms, falling from 1.8 GB/s
-/// to 1.2 over 25 ms, and went at 35-50 ms, 25-40 ms after post-copy at
-/// once.)
+/// A guest dirtying memory at the rate its kind is handed over from
+/// ([`SCATTERED_HANDOVER`], in runs [`RUNS_HANDOVER`]) whose probes' pages
+/// seen dirty so far would take this share of the downtime limit to send
+/// goes from the first look, without waiting for its rate to prove
+/// steady: a hot set that large (each later iteration sends it again, and
+/// the stop too) is not sent again at little cost. (A kv guest over 64
+/// MiB at 1 Gbit/s showed 18-24 MB in its first 10-15 ms, falling from
+/// 1.8 GB/s to 1.2 over 25 ms, and went at 35-50 ms, 25-40 ms after
+/// post-copy at once.)
 const HOT_SET_STOP: f64 = 0.5;
 /// Dirtied probe pages read to tell zero pages from data (zeros cost a
 /// record, not a page: a guest clearing memory outruns no link).
