@@ -391,15 +391,15 @@ impl Engine {
     /// the pages waiting for the encoders (at what the encoders made of
     /// pages so far), the bytes of the encoded batches waiting for their
     /// senders, a whole batch for each one being written, and what the
-    /// channels' sockets hold. Where the link is the bottleneck a batch fetched then
-    /// goes out within about that time, not behind the whole pipeline's
-    /// depth (at 1 Gbit/s its queues and buffers held ~300 ms of pages,
-    /// stale by the time they arrived); where fetching or encoding is, the
-    /// senders are idle and nothing waits. (Waiting until no batch was
-    /// queued and no sender writing left a 10 Gbit/s link idle while the
-    /// next batch was read and encoded: a 2 GiB kv guest's migration took
-    /// 2.04 s watched, 1.72 unwatched, 1.84 watched with this; medians of
-    /// 8.) False when `limit` passed first.
+    /// channels' sockets hold. Where the link is the bottleneck a batch
+    /// fetched then goes out within about that time, not behind the whole
+    /// pipeline's depth (at 1 Gbit/s its queues and buffers held ~300 ms
+    /// of pages, stale by the time they arrived); where fetching or
+    /// encoding is, the senders are idle and nothing waits. (Waiting until
+    /// no batch was queued and no sender writing left a 10 Gbit/s link idle
+    /// while the next batch was read and encoded: a 2 GiB kv guest's
+    /// migration took 2.04 s watched, 1.72 unwatched, 1.84 watched with
+    /// this; medians of 8.) False when `limit` passed first.
     pub fn wait_for_link(&self, rate: f64, lead: Duration, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         let rtt = self.round_trip().unwrap_or_default();
